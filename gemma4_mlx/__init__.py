@@ -1,0 +1,32 @@
+"""gemma4-mlx: Google's Gemma 4 on Apple's MLX.
+
+    import gemma4_mlx
+    model, processor = gemma4_mlx.load("google/gemma-4-E2B-it")
+    for chunk in gemma4_mlx.stream_generate(model, processor, [{"role": "user", "content": "Hi!"}]):
+        print(chunk.text, end="", flush=True)
+"""
+
+from .config import LayerSpec, ModelConfig, TextConfig, UnsupportedModelError
+from .generate import ContextLengthError, GenerationChunk, generate, stream_generate
+from .loading import CheckpointError, load, load_model
+from .model import Gemma4Model, TokenIdError
+from .processing import Processor
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "load",
+    "load_model",
+    "generate",
+    "stream_generate",
+    "GenerationChunk",
+    "Gemma4Model",
+    "Processor",
+    "ModelConfig",
+    "TextConfig",
+    "LayerSpec",
+    "CheckpointError",
+    "ContextLengthError",
+    "TokenIdError",
+    "UnsupportedModelError",
+]

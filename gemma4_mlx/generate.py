@@ -1,0 +1,248 @@
+"""Streaming generation and the ``python -m gemma4_mlx.generate`` command line.
+
+The loop is our own (so prompts can be prefilled in chunks and, later, start from precomputed
+multimodal embeddings and reused caches); the parts around it are mlx-lm's: its sampler and
+logits processors, and its streaming detokenizers, which hold back incomplete UTF-8.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from dataclasses import dataclass
+from typing import Any, Callable, Generator
+
+import mlx.core as mx
+from mlx_lm.sample_utils import make_logits_processors, make_sampler
+
+from .model import check_token_ids
+
+generation_stream = mx.new_stream(mx.default_device())
+
+
+class ContextLengthError(ValueError):
+    """The prompt does not fit in the model's context window."""
+
+
+@dataclass
+class GenerationChunk:
+    """One step of :func:`stream_generate`."""
+
+    text: str  # new text since the previous chunk (may be empty while UTF-8 is incomplete)
+    token: int
+    finish_reason: str | None  # None while generating, then "stop" (end token) or "length"
+    prompt_tokens: int
+    prompt_tps: float
+    generation_tokens: int
+    generation_tps: float
+    peak_memory: float  # GB
+    logprobs: mx.array | None = None
+
+
+def prefill(model, tokens: mx.array, cache: list, step_size: int = 2048, progress: Callable[[int, int], Any] | None = None) -> mx.array:
+    """Run ``tokens`` [L] through the model in chunks, filling ``cache``; returns the last token.
+
+    Only the cache states are evaluated, so MLX never computes the chunks' logits (nor the
+    KV-shared layers, which write no cache).
+    """
+    total = tokens.size
+    done = 0
+    while tokens.size > 1:
+        n = min(step_size, tokens.size - 1)
+        model(tokens[None, :n], cache=cache)
+        mx.eval([c.state for c in cache])
+        tokens = tokens[n:]
+        done += n
+        if progress:
+            progress(done, total)
+        mx.clear_cache()
+    return tokens
+
+
+def stream_generate(
+    model,
+    processor,
+    prompt: str | list[dict[str, Any]] | list[int],
+    *,
+    max_tokens: int = 256,
+    temperature: float = 0.0,
+    top_p: float = 1.0,
+    top_k: int = 0,
+    min_p: float = 0.0,
+    repetition_penalty: float | None = None,
+    repetition_context_size: int = 20,
+    seed: int | None = None,
+    enable_thinking: bool = False,
+    cache: list | None = None,
+    prefill_step_size: int = 2048,
+    sampler: Callable[[mx.array], mx.array] | None = None,
+    logits_processors: list[Callable] | None = None,
+    prompt_progress: Callable[[int, int], Any] | None = None,
+) -> Generator[GenerationChunk, None, None]:
+    """Generate text token by token.
+
+    ``prompt`` is a raw string, a list of chat messages (rendered with the checkpoint's chat
+    template; ``enable_thinking`` turns reasoning on) or a list of token ids. Sampling is greedy
+    at ``temperature=0``; otherwise temperature, top-p, top-k and min-p apply (mlx-lm's sampler).
+    Generation stops at the model's end tokens (``<eos>``, ``<turn|>``) or after ``max_tokens``.
+    """
+    ids = processor.prompt_ids(prompt, enable_thinking=enable_thinking)
+    check_token_ids(model.text_token_ids(mx.array(ids)), model.text_config.vocab_size)
+    context = model.text_config.max_position_embeddings
+    start = cache[0].offset if cache else 0
+    if start + len(ids) >= context:
+        raise ContextLengthError(
+            f"prompt of {len(ids)} tokens{f' after {start} cached' if start else ''} does not fit the "
+            f"model's context of {context} tokens"
+        )
+    max_tokens = min(max_tokens, context - start - len(ids))
+    if seed is not None:
+        mx.random.seed(seed)
+    sampler = sampler or make_sampler(temp=temperature, top_p=top_p, min_p=min_p, top_k=top_k)
+    if logits_processors is None:
+        logits_processors = make_logits_processors(
+            repetition_penalty=repetition_penalty, repetition_context_size=repetition_context_size
+        )
+    cache = cache if cache is not None else model.make_cache()
+    eos = processor.eos_token_ids
+    detokenizer = processor.detokenizer
+    detokenizer.reset()
+    history = mx.array(ids)
+
+    def step(tokens: mx.array):
+        nonlocal history
+        logits = model(tokens[None], cache=cache)[:, -1, :]
+        if logits_processors:
+            for proc in logits_processors:
+                logits = proc(history, logits)
+        logprobs = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
+        token = sampler(logprobs)
+        if logits_processors:
+            history = mx.concatenate([history, token])
+        return token, logprobs.squeeze(0)
+
+    mx.reset_peak_memory()
+    tic = time.perf_counter()
+    with mx.stream(generation_stream):
+        last = prefill(model, mx.array(ids), cache, prefill_step_size, prompt_progress)
+        token, logprobs = step(last)
+        mx.async_eval(token, logprobs)
+
+    n = 0
+    prompt_tps = gen_tic = None
+    while n < max_tokens:
+        if n + 1 < max_tokens:
+            with mx.stream(generation_stream):
+                next_token, next_logprobs = step(token)
+                mx.async_eval(next_token, next_logprobs)
+        tok = token.item()
+        if n == 0:
+            prompt_time = time.perf_counter() - tic
+            prompt_tps = len(ids) / prompt_time
+            gen_tic = time.perf_counter()
+        n += 1
+        finish = None
+        if tok in eos:
+            finish = "stop"
+            detokenizer.finalize()
+        else:
+            detokenizer.add_token(tok)
+            if n == max_tokens:
+                finish = "length"
+                detokenizer.finalize()
+        elapsed = time.perf_counter() - gen_tic
+        yield GenerationChunk(
+            text=detokenizer.last_segment,
+            token=tok,
+            finish_reason=finish,
+            prompt_tokens=len(ids),
+            prompt_tps=prompt_tps,
+            generation_tokens=n,
+            generation_tps=(n - 1) / elapsed if n > 1 and elapsed > 0 else 0.0,
+            peak_memory=mx.get_peak_memory() / 1e9,
+            logprobs=logprobs,
+        )
+        if finish:
+            return
+        token, logprobs = next_token, next_logprobs
+        if n % 256 == 0:
+            mx.clear_cache()
+
+
+def generate(model, processor, prompt, verbose: bool = False, **kwargs) -> str:
+    """Generate and return the whole text (see :func:`stream_generate` for the options)."""
+    text = []
+    last = None
+    for chunk in stream_generate(model, processor, prompt, **kwargs):
+        text.append(chunk.text)
+        last = chunk
+        if verbose:
+            print(chunk.text, end="", flush=True)
+    if verbose and last is not None:
+        print()
+        print(_stats_line(last))
+    return "".join(text)
+
+
+def _stats_line(c: GenerationChunk) -> str:
+    return (
+        f"prompt: {c.prompt_tokens} tokens, {c.prompt_tps:.1f} tok/s | generation: {c.generation_tokens} tokens, "
+        f"{c.generation_tps:.1f} tok/s | peak memory {c.peak_memory:.2f} GB | finish: {c.finish_reason}"
+    )
+
+
+def main(argv: list[str] | None = None) -> int:
+    from .loading import load
+
+    p = argparse.ArgumentParser(prog="python -m gemma4_mlx.generate", description="Generate text with Gemma 4 on MLX.")
+    p.add_argument("--model", required=True, help="local folder (HF or converted) or Hub repo id")
+    p.add_argument("--prompt", required=True, help="the user message ('-' reads standard input)")
+    p.add_argument("--system", default=None, help="system prompt")
+    p.add_argument("--raw", action="store_true", help="send the prompt as is, without the chat template")
+    p.add_argument("--thinking", action="store_true", help="let the model reason before answering")
+    p.add_argument("--max-tokens", type=int, default=512)
+    p.add_argument("--temperature", "--temp", type=float, default=0.0)
+    p.add_argument("--top-p", type=float, default=1.0)
+    p.add_argument("--top-k", type=int, default=0)
+    p.add_argument("--min-p", type=float, default=0.0)
+    p.add_argument("--repetition-penalty", type=float, default=None)
+    p.add_argument("--seed", type=int, default=None)
+    p.add_argument("--dtype", choices=["bfloat16", "float16", "float32"], default=None)
+    p.add_argument("--quiet", action="store_true", help="print only the generated text")
+    args = p.parse_args(argv)
+
+    text = sys.stdin.read() if args.prompt == "-" else args.prompt
+    try:
+        model, processor = load(args.model, dtype=args.dtype)
+        if args.raw:
+            prompt: Any = text
+        else:
+            prompt = ([{"role": "system", "content": args.system}] if args.system else []) + [{"role": "user", "content": text}]
+        last = None
+        for chunk in stream_generate(
+            model,
+            processor,
+            prompt,
+            max_tokens=args.max_tokens,
+            temperature=args.temperature,
+            top_p=args.top_p,
+            top_k=args.top_k,
+            min_p=args.min_p,
+            repetition_penalty=args.repetition_penalty,
+            seed=args.seed,
+            enable_thinking=args.thinking,
+        ):
+            print(chunk.text, end="", flush=True)
+            last = chunk
+        print()
+        if last is not None and not args.quiet:
+            print(_stats_line(last), file=sys.stderr)
+    except (OSError, ValueError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

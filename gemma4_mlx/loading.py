@@ -1,0 +1,226 @@
+"""Loading Gemma 4 checkpoints: local folders, Hub repo ids, HF and MLX layouts.
+
+``load(path_or_repo_id)`` returns ``(model, processor)``. It accepts
+
+* an original Hugging Face checkpoint folder (``Gemma4ForConditionalGeneration`` or the text-only
+  ``Gemma4ForCausalLM``), single-file or sharded with ``model.safetensors.index.json``;
+* a folder written by ``python -m convert`` (optionally quantized: ``config.json`` has a
+  ``quantization`` section);
+* a Hub repo id, downloaded with ``huggingface_hub.snapshot_download``.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from pathlib import Path
+from typing import Any
+
+import mlx.core as mx
+import mlx.nn as nn
+
+from .config import ModelConfig, UnsupportedModelError
+from .model import Gemma4Model
+
+_DTYPES = {"bfloat16": mx.bfloat16, "float16": mx.float16, "float32": mx.float32}
+
+# What a checkpoint folder needs; anything else in a Hub repo (original/ PyTorch files, GGUF...) is skipped.
+_HUB_PATTERNS = ["*.json", "*.safetensors", "*.jinja", "*.model", "*.txt", "*.md"]
+
+# Tower weights belong to the multimodal encoders; the text model ignores them.
+_TOWER_PREFIXES = ("vision_tower.", "audio_tower.", "embed_vision.", "embed_audio.", "multi_modal_projector.")
+
+
+class CheckpointError(ValueError):
+    """The checkpoint's files are missing, corrupt or do not match the config."""
+
+
+def resolve_model_path(path_or_repo_id: str | Path, revision: str | None = None) -> Path:
+    """A local folder as is, or a Hub repo id downloaded (or found in the cache) with huggingface_hub."""
+    path = Path(path_or_repo_id).expanduser()
+    if path.is_dir():
+        return path
+    if path.exists():
+        raise FileNotFoundError(f"{path} is a file; pass the model folder that holds config.json")
+    text = str(path_or_repo_id)
+    looks_like_repo = re.fullmatch(r"[\w.-]+/[\w.-]+", text) is not None and not text.startswith((".", "/", "~"))
+    if not looks_like_repo:
+        raise FileNotFoundError(f"model folder not found: {path}")
+    from huggingface_hub import snapshot_download
+    from huggingface_hub.errors import HfHubHTTPError, LocalEntryNotFoundError, RepositoryNotFoundError
+
+    try:
+        return Path(snapshot_download(text, revision=revision, allow_patterns=_HUB_PATTERNS))
+    except RepositoryNotFoundError:
+        raise FileNotFoundError(f"{text!r} is neither a local folder nor a Hub repository") from None
+    except (LocalEntryNotFoundError, HfHubHTTPError, OSError) as e:
+        raise FileNotFoundError(
+            f"could not download {text!r} from the Hugging Face Hub and it is not in the local cache ({e})"
+        ) from None
+
+
+def load_config(model_path: Path) -> ModelConfig:
+    return ModelConfig.from_file(model_path / "config.json")
+
+
+def weight_files(model_path: Path) -> list[Path]:
+    """The safetensors files of a checkpoint, from its index if it has one."""
+    index = model_path / "model.safetensors.index.json"
+    if index.exists():
+        try:
+            weight_map = json.loads(index.read_text())["weight_map"]
+        except (json.JSONDecodeError, KeyError) as e:
+            raise CheckpointError(f"{index} is not a valid safetensors index ({e})") from None
+        files = [model_path / name for name in sorted(set(weight_map.values()))]
+        missing = [f.name for f in files if not f.exists()]
+        if missing:
+            raise CheckpointError(f"{model_path} is missing weight shards listed in its index: {', '.join(missing)}")
+        return files
+    files = sorted(model_path.glob("*.safetensors"))
+    if not files:
+        raise CheckpointError(f"no *.safetensors weights in {model_path}")
+    return files
+
+
+def read_weights(files: list[Path]) -> dict[str, mx.array]:
+    """Read safetensors lazily (MLX maps the data in when it is first used)."""
+    weights: dict[str, mx.array] = {}
+    for f in files:
+        try:
+            weights.update(mx.load(str(f)))
+        except (RuntimeError, ValueError) as e:
+            raise CheckpointError(f"corrupt or truncated safetensors file {f}: {e}") from None
+    return weights
+
+
+def _layer_index(key: str) -> int | None:
+    m = re.search(r"layers\.(\d+)\.", key)
+    return int(m.group(1)) if m else None
+
+
+def sanitize(weights: dict[str, mx.array], config: ModelConfig) -> dict[str, mx.array]:
+    """Map checkpoint names onto our module tree and drop what the model does not use.
+
+    Handles HF ``model.language_model.*`` (multimodal), HF ``model.*`` (text-only) and the
+    mlx-vlm/mlx-community ``language_model.model.*`` layouts.
+    """
+    text = config.text_config
+    shared = {s.index for s in text.layers if s.is_kv_shared}
+    out: dict[str, mx.array] = {}
+    for key, value in weights.items():
+        k = key
+        if k.startswith("model.language_model."):
+            k = "language_model." + k[len("model.language_model.") :]
+        elif k.startswith("language_model.model."):
+            k = "language_model." + k[len("language_model.model.") :]
+        elif k.startswith("language_model.lm_head."):
+            k = k[len("language_model.") :]
+        elif k.startswith("model."):
+            rest = k[len("model.") :]
+            k = rest if rest.startswith(_TOWER_PREFIXES) else "language_model." + rest
+        if k.startswith(_TOWER_PREFIXES):
+            continue  # multimodal towers are loaded by the multimodal model
+        if "rotary_emb" in k or k.endswith("inv_freq"):
+            continue  # RoPE tables are recomputed, never loaded
+        if k.startswith("lm_head.") and text.tie_word_embeddings:
+            continue
+        layer = _layer_index(k)
+        if layer in shared and re.search(r"self_attn\.(k_proj|v_proj|k_norm|v_norm)\.", k):
+            continue  # KV-shared layers never compute K/V; released E2B files still carry them
+        if k.endswith(".experts.gate_up_proj"):
+            # [E, 2*I, H], gate rows first -> SwitchGLU's separate gate and up [E, I, H]
+            base = k[: -len("gate_up_proj")] + "switch_glu."
+            gate, up = mx.split(value, 2, axis=-2)
+            out[base + "gate_proj.weight"] = gate
+            out[base + "up_proj.weight"] = up
+            continue
+        if k.endswith(".experts.down_proj"):
+            out[k[: -len("down_proj")] + "switch_glu.down_proj.weight"] = value
+            continue
+        out[k] = value
+    return out
+
+
+def _quantize_like_checkpoint(model: nn.Module, quantization: dict[str, Any], weights: dict[str, mx.array]) -> None:
+    """Swap in quantized layers wherever the checkpoint holds quantized weights (mlx-lm format)."""
+
+    def predicate(path: str, module: nn.Module):
+        if not hasattr(module, "to_quantized") or f"{path}.scales" not in weights:
+            return False
+        override = quantization.get(path)
+        return override if isinstance(override, dict) else True
+
+    nn.quantize(
+        model,
+        group_size=quantization.get("group_size", 64),
+        bits=quantization.get("bits", 4),
+        mode=quantization.get("mode", "affine"),
+        class_predicate=predicate,
+    )
+
+
+def load_model(model_path: str | Path, dtype: str | None = None, lazy: bool = False) -> Gemma4Model:
+    """Build the model from a local checkpoint folder and load its weights.
+
+    ``dtype`` casts floating-point weights ("bfloat16", "float16", "float32"); by default the
+    checkpoint's own dtype is kept. With ``lazy=True`` weights are read from disk on first use.
+    """
+    model_path = Path(model_path)
+    if not model_path.is_dir():
+        raise FileNotFoundError(f"model folder not found: {model_path}")
+    config = load_config(model_path)
+    model = Gemma4Model(config)
+    weights = sanitize(read_weights(weight_files(model_path)), config)
+    if dtype is not None:
+        if dtype not in _DTYPES:
+            raise ValueError(f"dtype must be one of {sorted(_DTYPES)}, not {dtype!r}")
+        target = _DTYPES[dtype]
+        weights = {
+            k: v.astype(target) if mx.issubdtype(v.dtype, mx.floating) and not k.endswith((".scales", ".biases")) else v
+            for k, v in weights.items()
+        }
+    if config.quantization:
+        _quantize_like_checkpoint(model, config.quantization, weights)
+    _check_weights(model, weights, model_path)
+    model.load_weights(list(weights.items()), strict=True)
+    if not lazy:
+        mx.eval(model.parameters())
+    model.eval()
+    return model
+
+
+def _check_weights(model: nn.Module, weights: dict[str, mx.array], model_path: Path) -> None:
+    from mlx.utils import tree_flatten
+
+    expected = dict(tree_flatten(model.parameters()))
+    missing = sorted(set(expected) - set(weights))
+    unexpected = sorted(set(weights) - set(expected))
+    if missing or unexpected:
+        parts = []
+        if missing:
+            parts.append(f"missing {len(missing)} tensors (e.g. {', '.join(missing[:3])})")
+        if unexpected:
+            parts.append(f"{len(unexpected)} unexpected tensors (e.g. {', '.join(unexpected[:3])})")
+        raise CheckpointError(f"weights in {model_path} do not match its config.json: " + "; ".join(parts))
+    for k, v in expected.items():
+        if v.shape != weights[k].shape:
+            raise CheckpointError(
+                f"weights in {model_path} do not match its config.json: {k} has shape "
+                f"{tuple(weights[k].shape)}, the config implies {tuple(v.shape)}"
+            )
+
+
+def load(path_or_repo_id: str | Path, dtype: str | None = None, lazy: bool = False, revision: str | None = None):
+    """Load a Gemma 4 checkpoint: ``model, processor = load("google/gemma-4-E2B-it")``.
+
+    ``path_or_repo_id`` is a local folder (HF original or converted) or a Hub repo id.
+    """
+    from .processing import Processor
+
+    model_path = resolve_model_path(path_or_repo_id, revision=revision)
+    model = load_model(model_path, dtype=dtype, lazy=lazy)
+    processor = Processor.from_pretrained(model_path, model.config)
+    return model, processor
+
+
+__all__ = ["load", "load_model", "load_config", "resolve_model_path", "sanitize", "CheckpointError", "UnsupportedModelError"]

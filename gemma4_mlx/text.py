@@ -1,0 +1,282 @@
+"""The Gemma 4 text decoder, for every variant (E2B, E4B, 26B-A4B, 31B).
+
+Each layer is described by a :class:`~gemma4_mlx.config.LayerSpec`, so one set of modules covers
+sliding/full layers with different head dims and KV heads, K=V full layers, KV-shared layers,
+double-wide MLPs, per-layer embeddings (PLE) and the MoE block. Ground truth is transformers
+5.23's ``modeling_gemma4.py``; the comments name where Gemma 4 differs from earlier Gemmas.
+"""
+
+from __future__ import annotations
+
+from functools import partial
+from typing import Any
+
+import mlx.core as mx
+import mlx.nn as nn
+from mlx_lm.models.rope_utils import ProportionalRoPE
+from mlx_lm.models.switch_layers import SwitchGLU
+
+from .config import FULL, SLIDING, LayerSpec, TextConfig, UnsupportedModelError
+
+
+@partial(mx.compile, shapeless=True)
+def geglu(gate: mx.array, up: mx.array) -> mx.array:
+    return nn.gelu_approx(gate) * up
+
+
+@partial(mx.compile, shapeless=True)
+def softcap(x: mx.array, cap: float) -> mx.array:
+    return mx.tanh(x / cap) * cap
+
+
+def rms_norm_no_scale(x: mx.array, eps: float) -> mx.array:
+    return mx.fast.rms_norm(x, None, eps)
+
+
+def make_rope(head_dim: int, params: dict[str, Any]) -> nn.Module:
+    """RoPE for one layer type: "default" (all dims) or "proportional" (first fraction of pairs)."""
+    rope_type = params.get("rope_type", "default")
+    theta = float(params.get("rope_theta", 10_000.0))
+    if rope_type == "default":
+        return nn.RoPE(head_dim, traditional=False, base=theta)
+    if rope_type == "proportional":
+        # Rotate-half over all head_dim dims, but only the first partial_rotary_factor of the
+        # frequency pairs turn (dims 0-63 pair with 256-319 at head_dim 512); the rest are identity.
+        return ProportionalRoPE(
+            dims=head_dim,
+            rotated_dims=2 * int(params.get("partial_rotary_factor", 1.0) * head_dim // 2),
+            base=theta,
+            factor=float(params.get("factor", 1.0)),
+        )
+    raise UnsupportedModelError(f"unsupported rope_type {rope_type!r}")
+
+
+class Attention(nn.Module):
+    """Self-attention with q/k/v norms, scale 1.0, optional K=V and optional shared K/V."""
+
+    def __init__(self, cfg: TextConfig, spec: LayerSpec):
+        super().__init__()
+        self.spec = spec
+        self.n_heads = cfg.num_attention_heads
+        self.head_dim = spec.head_dim
+        self.eps = cfg.rms_norm_eps
+        bias = cfg.attention_bias
+        self.q_proj = nn.Linear(cfg.hidden_size, self.n_heads * self.head_dim, bias=bias)
+        self.q_norm = nn.RMSNorm(self.head_dim, eps=self.eps)
+        if not spec.is_kv_shared:
+            self.k_proj = nn.Linear(cfg.hidden_size, spec.num_kv_heads * self.head_dim, bias=bias)
+            self.k_norm = nn.RMSNorm(self.head_dim, eps=self.eps)
+            if not spec.k_eq_v:
+                self.v_proj = nn.Linear(cfg.hidden_size, spec.num_kv_heads * self.head_dim, bias=bias)
+        self.o_proj = nn.Linear(self.n_heads * self.head_dim, cfg.hidden_size, bias=bias)
+        self.rope = make_rope(self.head_dim, cfg.rope_for(spec.layer_type))
+
+    def __call__(self, x, mask, cache, offset, shared_kv=None):
+        B, L, _ = x.shape
+        q = self.q_norm(self.q_proj(x).reshape(B, L, -1, self.head_dim))
+        q = self.rope(q.transpose(0, 2, 1, 3), offset=offset)
+
+        if shared_kv is not None:
+            # KV-shared layer: attend over the source layer's cached K/V (already normed and rotated).
+            k, v = shared_kv
+        else:
+            k = self.k_proj(x).reshape(B, L, -1, self.head_dim)
+            # K=V layers: V is the raw k_proj output, before k_norm and without RoPE.
+            v = k if self.spec.k_eq_v else self.v_proj(x).reshape(B, L, -1, self.head_dim)
+            k = self.rope(self.k_norm(k).transpose(0, 2, 1, 3), offset=offset)
+            v = rms_norm_no_scale(v, self.eps).transpose(0, 2, 1, 3)
+            if cache is not None:
+                k, v = cache.update_and_fetch(k, v)
+
+        out = mx.fast.scaled_dot_product_attention(q, k, v, scale=1.0, mask=mask)
+        out = out.transpose(0, 2, 1, 3).reshape(B, L, -1)
+        return self.o_proj(out), (k, v)
+
+
+class MLP(nn.Module):
+    def __init__(self, hidden_size: int, intermediate_size: int):
+        super().__init__()
+        self.gate_proj = nn.Linear(hidden_size, intermediate_size, bias=False)
+        self.up_proj = nn.Linear(hidden_size, intermediate_size, bias=False)
+        self.down_proj = nn.Linear(intermediate_size, hidden_size, bias=False)
+
+    def __call__(self, x):
+        return self.down_proj(geglu(self.gate_proj(x), self.up_proj(x)))
+
+
+class Router(nn.Module):
+    """Top-k router: unscaled RMSNorm -> * scale * hidden^-0.5 -> proj -> softmax over top-k."""
+
+    def __init__(self, cfg: TextConfig):
+        super().__init__()
+        self.top_k = cfg.top_k_experts
+        self.eps = cfg.rms_norm_eps
+        self.root_size = cfg.hidden_size**-0.5
+        self.proj = nn.Linear(cfg.hidden_size, cfg.num_experts, bias=False)
+        self.scale = mx.ones((cfg.hidden_size,))
+        self.per_expert_scale = mx.ones((cfg.num_experts,))
+
+    def __call__(self, x):
+        x = mx.fast.rms_norm(x, self.scale * self.root_size, self.eps)
+        scores = self.proj(x)
+        # softmax over all experts then renormalising the top-k equals a softmax over the top-k.
+        idx = mx.stop_gradient(mx.argpartition(-scores, kth=self.top_k - 1, axis=-1)[..., : self.top_k])
+        weights = mx.softmax(mx.take_along_axis(scores, idx, axis=-1).astype(mx.float32), axis=-1)
+        weights = weights * self.per_expert_scale[idx].astype(mx.float32)
+        return idx, weights.astype(x.dtype)
+
+
+class GeGLU(nn.Module):
+    """SwitchGLU's activation hook, called as activation(up, gate)."""
+
+    def __call__(self, up, gate):
+        return geglu(gate, up)
+
+
+class Experts(nn.Module):
+    """Routed experts on mlx-lm's SwitchGLU (gather_mm / gather_qmm), weighted and summed."""
+
+    def __init__(self, cfg: TextConfig):
+        super().__init__()
+        self.switch_glu = SwitchGLU(cfg.hidden_size, cfg.moe_intermediate_size, cfg.num_experts, activation=GeGLU())
+
+    def __call__(self, x, idx, weights):
+        y = self.switch_glu(x, idx)
+        return (y * weights[..., None]).sum(axis=-2)
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, cfg: TextConfig, spec: LayerSpec):
+        super().__init__()
+        self.spec = spec
+        h, eps = cfg.hidden_size, cfg.rms_norm_eps
+        self.self_attn = Attention(cfg, spec)
+        self.mlp = MLP(h, spec.mlp_size)
+        self.input_layernorm = nn.RMSNorm(h, eps=eps)
+        self.post_attention_layernorm = nn.RMSNorm(h, eps=eps)
+        self.pre_feedforward_layernorm = nn.RMSNorm(h, eps=eps)
+        self.post_feedforward_layernorm = nn.RMSNorm(h, eps=eps)
+        self.layer_scalar = mx.ones((1,))
+        self.has_moe = cfg.enable_moe_block
+        if self.has_moe:
+            self.router = Router(cfg)
+            self.experts = Experts(cfg)
+            self.post_feedforward_layernorm_1 = nn.RMSNorm(h, eps=eps)
+            self.pre_feedforward_layernorm_2 = nn.RMSNorm(h, eps=eps)
+            self.post_feedforward_layernorm_2 = nn.RMSNorm(h, eps=eps)
+        self.has_ple = cfg.has_per_layer_inputs
+        if self.has_ple:
+            self.per_layer_input_gate = nn.Linear(h, cfg.hidden_size_per_layer_input, bias=False)
+            self.per_layer_projection = nn.Linear(cfg.hidden_size_per_layer_input, h, bias=False)
+            self.post_per_layer_input_norm = nn.RMSNorm(h, eps=eps)
+
+    def __call__(self, x, mask, cache, offset, per_layer_input=None, shared_kv=None):
+        h, kv = self.self_attn(self.input_layernorm(x), mask, cache, offset, shared_kv)
+        x = x + self.post_attention_layernorm(h)
+
+        h = self.mlp(self.pre_feedforward_layernorm(x))
+        if self.has_moe:
+            # The MoE block runs beside the dense MLP; the router reads the residual stream.
+            idx, weights = self.router(x)
+            moe = self.experts(self.pre_feedforward_layernorm_2(x), idx, weights)
+            h = self.post_feedforward_layernorm_1(h) + self.post_feedforward_layernorm_2(moe)
+        x = x + self.post_feedforward_layernorm(h)
+
+        if self.has_ple:
+            g = geglu(self.per_layer_input_gate(x), per_layer_input)
+            x = x + self.post_per_layer_input_norm(self.per_layer_projection(g))
+        return x * self.layer_scalar, kv
+
+
+class TextModel(nn.Module):
+    """Embeddings, decoder layers and final norm; returns hidden states (the LM head is outside)."""
+
+    def __init__(self, cfg: TextConfig):
+        super().__init__()
+        self.config = cfg
+        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.layers = [DecoderLayer(cfg, spec) for spec in cfg.layers]
+        self.norm = nn.RMSNorm(cfg.hidden_size, eps=cfg.rms_norm_eps)
+        if cfg.has_per_layer_inputs:
+            n, d = cfg.num_hidden_layers, cfg.hidden_size_per_layer_input
+            self.embed_tokens_per_layer = nn.Embedding(cfg.vocab_size_per_layer_input, n * d)
+            self.per_layer_model_projection = nn.Linear(cfg.hidden_size, n * d, bias=False)
+            self.per_layer_projection_norm = nn.RMSNorm(d, eps=cfg.rms_norm_eps)
+        self._first_of_type = {t: next(s.index for s in cfg.layers if s.layer_type == t) for t in set(cfg.layer_types)}
+
+    def embed(self, input_ids: mx.array) -> mx.array:
+        """Token embeddings times sqrt(hidden) (the scale is cast to the weight dtype, as in HF)."""
+        h = self.embed_tokens(input_ids)
+        return h * mx.array(self.config.hidden_size**0.5, dtype=h.dtype)
+
+    def per_layer_token_inputs(self, input_ids: mx.array) -> mx.array:
+        """Token part of PLE: [B, L, layers, ple_dim]."""
+        cfg = self.config
+        e = self.embed_tokens_per_layer(input_ids)
+        e = e * mx.array(cfg.hidden_size_per_layer_input**0.5, dtype=e.dtype)
+        return e.reshape(*input_ids.shape, cfg.num_hidden_layers, cfg.hidden_size_per_layer_input)
+
+    def per_layer_inputs(self, inputs_embeds: mx.array, token_inputs: mx.array) -> mx.array:
+        """Combine the context part (projected merged embeddings) with the token part of PLE."""
+        cfg = self.config
+        ctx = self.per_layer_model_projection(inputs_embeds) * (cfg.hidden_size**-0.5)
+        ctx = ctx.reshape(*inputs_embeds.shape[:-1], cfg.num_hidden_layers, cfg.hidden_size_per_layer_input)
+        ctx = self.per_layer_projection_norm(ctx)
+        return (ctx + token_inputs) * (2.0**-0.5)
+
+    def make_masks(self, L: int, cache, offset: int) -> dict[str, Any]:
+        """Causal masks per layer type; sliding layers also mask keys older than the window."""
+        masks = {}
+        for layer_type, first in self._first_of_type.items():
+            window = self.config.sliding_window if layer_type == SLIDING else None
+            c = cache[first] if cache is not None else None
+            if c is not None:
+                masks[layer_type] = c.make_mask(L, window_size=window, return_array=False)
+            elif L == 1:
+                masks[layer_type] = None
+            elif window is not None and L > window:
+                pos = mx.arange(L)
+                masks[layer_type] = (pos[:, None] >= pos[None]) & (pos[:, None] < pos[None] + window)
+            else:
+                masks[layer_type] = "causal"
+        return masks
+
+    def __call__(
+        self,
+        input_ids: mx.array | None = None,
+        cache: list | None = None,
+        inputs_embeds: mx.array | None = None,
+        per_layer_token_inputs: mx.array | None = None,
+        masks: dict[str, Any] | None = None,
+    ) -> mx.array:
+        if inputs_embeds is None:
+            inputs_embeds = self.embed(input_ids)
+        h = inputs_embeds
+        per_layer = None
+        if self.config.has_per_layer_inputs:
+            if per_layer_token_inputs is None:
+                if input_ids is None:
+                    raise ValueError("a model with per-layer embeddings needs input_ids or per_layer_token_inputs")
+                per_layer_token_inputs = self.per_layer_token_inputs(input_ids)
+            per_layer = self.per_layer_inputs(h, per_layer_token_inputs)
+
+        offset = cache[0].offset if cache is not None else 0
+        if masks is None:
+            masks = self.make_masks(h.shape[1], cache, offset)
+        kvs: list = [None] * len(self.layers)
+        for i, layer in enumerate(self.layers):
+            spec = layer.spec
+            c = cache[i] if cache is not None and not spec.is_kv_shared else None
+            shared = kvs[spec.kv_source] if spec.is_kv_shared else None
+            h, kvs[i] = layer(
+                h,
+                masks[spec.layer_type],
+                c,
+                offset,
+                per_layer_input=per_layer[:, :, i, :] if per_layer is not None else None,
+                shared_kv=shared,
+            )
+        return self.norm(h)
+
+
+__all__ = ["TextModel", "DecoderLayer", "Attention", "MLP", "Router", "Experts", "make_rope", "softcap", "FULL", "SLIDING"]

@@ -1,0 +1,118 @@
+"""A tiny Gemma-4-style tokenizer, built locally for tests, benchmarks and the demo mode.
+
+Real Gemma 4 tokenizers come with the checkpoints (262144 tokens, SentencePiece-style BPE with byte
+fallback). Where no checkpoint can be downloaded we build a small tokenizer of the same kind with
+the `tokenizers` library: the same special tokens at the published ids (pad 0, eos 1, bos 2,
+``<|turn>`` 105, ``<turn|>`` 106, ...), byte fallback for any text, and the same decoder, so the
+chat template, the stop tokens and the streaming detokenizer behave as with a real checkpoint.
+"""
+
+from __future__ import annotations
+
+from importlib import resources
+from pathlib import Path
+
+# Special tokens at the ids the published Gemma 4 vocabulary uses.
+SPECIAL_TOKENS = {
+    0: "<pad>",
+    1: "<eos>",
+    2: "<bos>",
+    3: "<unk>",
+    4: "<mask>",
+    46: "<|tool>",
+    47: "<tool|>",
+    48: "<|tool_call>",
+    49: "<tool_call|>",
+    50: "<|tool_response>",
+    51: "<tool_response|>",
+    52: '<|"|>',
+    98: "<|think|>",
+    100: "<|channel>",
+    101: "<channel|>",
+    105: "<|turn>",
+    106: "<turn|>",
+}
+RESERVED = 112  # ids below this are special (unused ones become <unused{i}>)
+
+# Multimodal markers; their ids are written into the tiny model's config.json.
+MEDIA_TOKENS = ["<|image>", "<image|>", "<|image|>", "<|audio>", "<audio|>", "<|audio|>", "<|video|>"]
+
+_WORDS = (
+    "the of and to in is you that it he was for on are as with his they at be this have from or one had by "
+    "word but not what all were we when your can said there use an each which she do how their if will up "
+    "other about out many then them these so some her would make like him into time has look two more write "
+    "go see number no way could people my than first water been call who oil its now find long down day did "
+    "get come made may part hello world model user gemma think answer question tool image audio video"
+).split()
+
+
+def build_tokenizer_object(vocab_size: int | None = None):
+    """A `tokenizers.Tokenizer`: specials, 256 byte tokens, ASCII characters and common words,
+    padded with unused tokens up to ``vocab_size`` (the model's embedding rows)."""
+    from tokenizers import Tokenizer, decoders, models, normalizers, pre_tokenizers, processors
+
+    vocab: dict[str, int] = {}
+    for i in range(RESERVED):
+        vocab[SPECIAL_TOKENS.get(i, f"<unused{i}>")] = i
+    for tok in MEDIA_TOKENS:
+        vocab[tok] = len(vocab)
+    for b in range(256):
+        vocab[f"<0x{b:02X}>"] = len(vocab)
+    for c in ["\u2581"] + [chr(c) for c in range(33, 127)] + ["\n"]:
+        vocab.setdefault(c, len(vocab))
+    merges: list[tuple[str, str]] = []
+    for word in _WORDS:
+        piece = "\u2581"
+        for ch in word:
+            merged = piece + ch
+            if merged not in vocab:
+                vocab[merged] = len(vocab)
+                merges.append((piece, ch))
+            piece = merged
+    if vocab_size is not None:
+        if vocab_size < len(vocab):
+            raise ValueError(f"the tiny tokenizer needs a vocabulary of at least {len(vocab)} tokens")
+        for i in range(len(vocab), vocab_size):
+            vocab[f"<unused{i}>"] = i
+
+    tok = Tokenizer(models.BPE(vocab=vocab, merges=merges, unk_token="<unk>", byte_fallback=True, fuse_unk=True))
+    tok.normalizer = normalizers.Replace(" ", "\u2581")
+    tok.pre_tokenizer = pre_tokenizers.Split("\u2581", behavior="merged_with_next")
+    tok.decoder = decoders.Sequence([decoders.Replace("\u2581", " "), decoders.ByteFallback(), decoders.Fuse()])
+    tok.post_processor = processors.TemplateProcessing(single="<bos> $A", pair="<bos> $A $B", special_tokens=[("<bos>", 2)])
+    specials = list(SPECIAL_TOKENS.values()) + MEDIA_TOKENS
+    from tokenizers import AddedToken
+
+    tok.add_special_tokens([AddedToken(s, special=True, normalized=False) for s in specials])
+    return tok
+
+
+def bundled_chat_template() -> str:
+    """The published Gemma 4 (26B/31B) chat template, used when a checkpoint has none."""
+    return resources.files("gemma4_mlx").joinpath("templates/gemma4.jinja").read_text()
+
+
+def write_tokenizer(folder: str | Path, chat_template: str | None = None, vocab_size: int | None = None) -> int:
+    """Write tokenizer files (and the chat template) into ``folder``; returns the vocabulary size."""
+    from transformers import PreTrainedTokenizerFast
+
+    tok = build_tokenizer_object(vocab_size)
+    fast = PreTrainedTokenizerFast(
+        tokenizer_object=tok,
+        bos_token="<bos>",
+        eos_token="<eos>",
+        unk_token="<unk>",
+        pad_token="<pad>",
+        mask_token="<mask>",
+        add_bos_token=True,
+    )
+    fast.chat_template = chat_template if chat_template is not None else bundled_chat_template()
+    fast.save_pretrained(str(folder))
+    return tok.get_vocab_size()
+
+
+def media_token_ids() -> dict[str, int]:
+    """Config fields for the multimodal markers of the tiny tokenizer."""
+    base = RESERVED
+    names = ["boi_token_id", "eoi_token_id", "image_token_id", "boa_token_id", "eoa_token_index", "audio_token_id", "video_token_id"]
+    return {name: base + i for i, name in enumerate(names)}

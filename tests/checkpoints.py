@@ -1,0 +1,147 @@
+"""Tiny random Gemma 4 checkpoints written by transformers 5.23 (the numerical reference).
+
+Three shape families cover every variant's code paths:
+
+* ``e2b``: per-layer embeddings, KV sharing, double-wide MLP on shared layers, 4:1 pattern;
+* ``moe26b``: MoE beside the dense MLP, K=V full layers with global kv heads, 5:1 pattern;
+* ``dense31b``: dense K=V full layers with global kv heads.
+
+Norm weights, layer scalars and router scales are set to random non-trivial values: transformers
+initialises them to 1, which would hide a missing or misplaced multiplication.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+
+from gemma4_mlx.tiny import media_token_ids, write_tokenizer
+
+VOCAB = 1024  # >= the tiny tokenizer's 721 tokens
+S, F = "sliding_attention", "full_attention"
+
+FAMILIES = {
+    "e2b": dict(
+        hidden_size=64,
+        intermediate_size=96,
+        num_hidden_layers=10,
+        num_attention_heads=4,
+        num_key_value_heads=1,
+        head_dim=32,
+        global_head_dim=64,
+        layer_types=[S, S, S, S, F] * 2,
+        sliding_window=8,
+        hidden_size_per_layer_input=16,
+        vocab_size_per_layer_input=VOCAB,
+        num_kv_shared_layers=4,
+        use_double_wide_mlp=True,
+    ),
+    "moe26b": dict(
+        hidden_size=64,
+        intermediate_size=64,
+        num_hidden_layers=6,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        num_global_key_value_heads=1,
+        head_dim=32,
+        global_head_dim=64,
+        layer_types=[S] * 5 + [F],
+        sliding_window=8,
+        hidden_size_per_layer_input=0,
+        attention_k_eq_v=True,
+        enable_moe_block=True,
+        num_experts=8,
+        top_k_experts=2,
+        moe_intermediate_size=32,
+        use_bidirectional_attention="vision",
+    ),
+    "dense31b": dict(
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=8,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        num_global_key_value_heads=1,
+        head_dim=32,
+        global_head_dim=64,
+        layer_types=[S, S, S, F] * 2,
+        sliding_window=16,
+        hidden_size_per_layer_input=0,
+        attention_k_eq_v=True,
+        use_bidirectional_attention="vision",
+    ),
+}
+
+
+def text_config(family: str, **overrides) -> dict:
+    cfg = dict(
+        vocab_size=VOCAB,
+        final_logit_softcapping=30.0,
+        rms_norm_eps=1e-6,
+        initializer_range=0.1,
+        max_position_embeddings=4096,
+        pad_token_id=0,
+        bos_token_id=2,
+        eos_token_id=1,
+    )
+    cfg.update(FAMILIES[family])
+    cfg.update(overrides)
+    return cfg
+
+
+def build_hf_model(family: str, seed: int = 0, text_only: bool = False, **overrides):
+    """A random fp32 transformers model of the family, with non-trivial norms and scalars."""
+    from transformers import Gemma4Config, Gemma4ForCausalLM, Gemma4ForConditionalGeneration, Gemma4TextConfig
+
+    torch.manual_seed(seed)
+    tc = text_config(family, **overrides)
+    if text_only:
+        model = Gemma4ForCausalLM(Gemma4TextConfig(**tc))
+    else:
+        cfg = Gemma4Config(text_config=tc, vision_config=None, audio_config=None, **media_token_ids())
+        model = Gemma4ForConditionalGeneration(cfg)
+    g = torch.Generator().manual_seed(seed + 1)
+    with torch.no_grad():
+        for name, p in list(model.named_parameters()) + list(model.named_buffers()):
+            if name.endswith(("q_norm.weight", "k_norm.weight")):
+                # Smaller q/k norms keep the scale-1.0 attention away from one-hot softmaxes, where
+                # fp32 rounding alone (in transformers too) would dominate the comparison.
+                p.copy_(torch.empty_like(p).uniform_(0.25, 0.6, generator=g))
+            elif name.endswith("norm.weight") or "layernorm" in name and name.endswith("weight"):
+                p.copy_(torch.empty_like(p).uniform_(0.5, 1.5, generator=g))
+            elif name.endswith("layer_scalar"):
+                p.copy_(torch.empty_like(p).uniform_(0.5, 1.0, generator=g))
+            elif name.endswith("router.scale") or name.endswith("per_expert_scale"):
+                p.copy_(torch.empty_like(p).uniform_(0.5, 1.5, generator=g))
+    model.eval()
+    model.config._attn_implementation = "eager"
+    return model
+
+
+def save_checkpoint(model, folder: Path, dtype: torch.dtype | None = None, form: str = "transformers", **save_kwargs) -> Path:
+    """save_pretrained + tokenizer files; ``form="published"`` rewrites config.json as Google ships it."""
+    folder = Path(folder)
+    if dtype is not None:
+        model = model.to(dtype)
+    model.save_pretrained(str(folder), **save_kwargs)
+    write_tokenizer(folder, vocab_size=VOCAB)
+    if form == "published":
+        to_published_form(folder / "config.json")
+    return folder
+
+
+def to_published_form(config_path: Path) -> None:
+    """Replace 5.23's ``per_layer_config`` by ``global_head_dim``/``num_global_key_value_heads``,
+    with ``vocab_size`` only inside ``text_config``, as in the published checkpoints."""
+    raw = json.loads(config_path.read_text())
+    text = raw.get("text_config", raw)
+    per_layer = text.pop("per_layer_config")
+    full = next(iter(per_layer.values()))
+    text["global_head_dim"] = full["head_dim"]
+    if "num_key_value_heads" in full:
+        text["num_global_key_value_heads"] = full["num_key_value_heads"]
+    if "text_config" in raw:
+        raw.pop("vocab_size", None)
+    config_path.write_text(json.dumps(raw, indent=2))

@@ -1,0 +1,36 @@
+import sys
+from pathlib import Path
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).parent))
+
+from checkpoints import FAMILIES, build_hf_model, save_checkpoint  # noqa: E402
+
+
+class Family:
+    """A tiny HF reference model, its checkpoint folder, and our model loaded from it."""
+
+    def __init__(self, name, hf_model, path):
+        import gemma4_mlx
+
+        self.name = name
+        self.hf = hf_model
+        self.path = path
+        self.model, self.processor = gemma4_mlx.load(path)
+
+
+@pytest.fixture(scope="session", params=sorted(FAMILIES))
+def family(request, tmp_path_factory):
+    name = request.param
+    hf = build_hf_model(name)
+    # The 31B-like family is saved in the published config form, the others in transformers' form.
+    form = "published" if name == "dense31b" else "transformers"
+    path = save_checkpoint(hf, tmp_path_factory.mktemp(name), form=form)
+    return Family(name, hf, path)
+
+
+@pytest.fixture(scope="session")
+def e2b(tmp_path_factory):
+    hf = build_hf_model("e2b")
+    return Family("e2b", hf, save_checkpoint(hf, tmp_path_factory.mktemp("e2b_single")))
