@@ -60,6 +60,53 @@ def prefill(model, tokens: mx.array, cache: list, step_size: int = 2048, progres
     return tokens
 
 
+def generate_tokens(
+    model,
+    prompt: mx.array,
+    cache: list,
+    max_tokens: int,
+    sampler: Callable[[mx.array], mx.array],
+    logits_processors: list[Callable] | None = None,
+    prefill_step_size: int = 2048,
+    prompt_progress: Callable[[int, int], Any] | None = None,
+) -> Generator[tuple[int, mx.array], None, None]:
+    """Yield ``(token, logprobs)`` pairs: prefill ``prompt`` [L] into ``cache``, then decode.
+
+    The next token is computed asynchronously while the caller handles the current one, so the
+    decode loop never waits on the host (the same pipelining as mlx-lm's ``generate_step``).
+    """
+    history = prompt
+
+    def step(tokens: mx.array):
+        nonlocal history
+        logits = model(tokens[None], cache=cache)[:, -1, :]
+        if logits_processors:
+            for proc in logits_processors:
+                logits = proc(history, logits)
+        logprobs = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
+        token = sampler(logprobs)
+        if logits_processors:
+            history = mx.concatenate([history, token])
+        return token, logprobs.squeeze(0)
+
+    if max_tokens <= 0:
+        return
+    with mx.stream(generation_stream):
+        last = prefill(model, prompt, cache, prefill_step_size, prompt_progress)
+        token, logprobs = step(last)
+        mx.async_eval(token, logprobs)
+    for n in range(max_tokens):
+        if n + 1 < max_tokens:
+            with mx.stream(generation_stream):
+                next_token, next_logprobs = step(token)
+                mx.async_eval(next_token, next_logprobs)
+        yield token.item(), logprobs
+        if n + 1 < max_tokens:
+            token, logprobs = next_token, next_logprobs
+        if n % 256 == 255:
+            mx.clear_cache()
+
+
 def stream_generate(
     model,
     processor,
@@ -86,6 +133,7 @@ def stream_generate(
     template; ``enable_thinking`` turns reasoning on) or a list of token ids. Sampling is greedy
     at ``temperature=0``; otherwise temperature, top-p, top-k and min-p apply (mlx-lm's sampler).
     Generation stops at the model's end tokens (``<eos>``, ``<turn|>``) or after ``max_tokens``.
+    Pass ``cache`` to continue from an earlier prompt (it is updated in place).
     """
     ids = processor.prompt_ids(prompt, enable_thinking=enable_thinking)
     check_token_ids(model.text_token_ids(mx.array(ids)), model.text_config.vocab_size)
@@ -108,40 +156,15 @@ def stream_generate(
     eos = processor.eos_token_ids
     detokenizer = processor.detokenizer
     detokenizer.reset()
-    history = mx.array(ids)
-
-    def step(tokens: mx.array):
-        nonlocal history
-        logits = model(tokens[None], cache=cache)[:, -1, :]
-        if logits_processors:
-            for proc in logits_processors:
-                logits = proc(history, logits)
-        logprobs = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
-        token = sampler(logprobs)
-        if logits_processors:
-            history = mx.concatenate([history, token])
-        return token, logprobs.squeeze(0)
 
     mx.reset_peak_memory()
     tic = time.perf_counter()
-    with mx.stream(generation_stream):
-        last = prefill(model, mx.array(ids), cache, prefill_step_size, prompt_progress)
-        token, logprobs = step(last)
-        mx.async_eval(token, logprobs)
-
-    n = 0
     prompt_tps = gen_tic = None
-    while n < max_tokens:
-        if n + 1 < max_tokens:
-            with mx.stream(generation_stream):
-                next_token, next_logprobs = step(token)
-                mx.async_eval(next_token, next_logprobs)
-        tok = token.item()
-        if n == 0:
-            prompt_time = time.perf_counter() - tic
-            prompt_tps = len(ids) / prompt_time
+    tokens = generate_tokens(model, mx.array(ids), cache, max_tokens, sampler, logits_processors, prefill_step_size, prompt_progress)
+    for n, (tok, logprobs) in enumerate(tokens, start=1):
+        if n == 1:
+            prompt_tps = len(ids) / (time.perf_counter() - tic)
             gen_tic = time.perf_counter()
-        n += 1
         finish = None
         if tok in eos:
             finish = "stop"
@@ -165,9 +188,6 @@ def stream_generate(
         )
         if finish:
             return
-        token, logprobs = next_token, next_logprobs
-        if n % 256 == 0:
-            mx.clear_cache()
 
 
 def generate(model, processor, prompt, verbose: bool = False, **kwargs) -> str:

@@ -183,6 +183,7 @@ def load_model(model_path: str | Path, dtype: str | None = None, lazy: bool = Fa
         _quantize_like_checkpoint(model, config.quantization, weights)
     _check_weights(model, weights, model_path)
     model.load_weights(list(weights.items()), strict=True)
+    model.adapt_to_device()
     if not lazy:
         mx.eval(model.parameters())
     model.eval()

@@ -7,6 +7,8 @@ decodes incrementally. The module tree mirrors the Hugging Face checkpoint
 
 from __future__ import annotations
 
+import warnings
+
 import mlx.core as mx
 import mlx.nn as nn
 
@@ -49,6 +51,13 @@ class Gemma4Model(nn.Module):
     @property
     def layers(self):
         return self.language_model.layers
+
+    def adapt_to_device(self) -> None:
+        """Work around backend limits of the current device (see ``Experts.adapt_to_cpu``)."""
+        if mx.default_device().type == mx.DeviceType.cpu:
+            changed = [layer.experts.adapt_to_cpu() for layer in self.layers if layer.has_moe]
+            if any(changed):
+                warnings.warn("MLX's CPU backend needs float32 experts: half-precision expert weights were upcast")
 
     def make_cache(self) -> list:
         """A fresh KV cache for incremental decoding (see :mod:`gemma4_mlx.cache`)."""

@@ -142,7 +142,19 @@ class Experts(nn.Module):
 
     def __call__(self, x, idx, weights):
         y = self.switch_glu(x, idx)
-        return (y * weights[..., None]).sum(axis=-2)
+        return (y * weights[..., None]).sum(axis=-2).astype(x.dtype)
+
+    def adapt_to_cpu(self) -> bool:
+        """MLX's CPU backend runs gather_mm only in float32: upcast unquantized half-precision experts.
+
+        Returns True if anything was cast. Metal and CUDA run them in any dtype and never call this.
+        """
+        changed = False
+        for proj in (self.switch_glu.gate_proj, self.switch_glu.up_proj, self.switch_glu.down_proj):
+            if "scales" not in proj and proj.weight.dtype != mx.float32:
+                proj.weight = proj.weight.astype(mx.float32)
+                changed = True
+        return changed
 
 
 class DecoderLayer(nn.Module):
