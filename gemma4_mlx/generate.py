@@ -10,6 +10,7 @@ from __future__ import annotations
 import argparse
 import sys
 import time
+import warnings
 from dataclasses import dataclass
 from typing import Any, Callable, Generator
 
@@ -19,6 +20,11 @@ from mlx_lm.sample_utils import make_logits_processors, make_sampler
 from .model import check_token_ids
 
 generation_stream = mx.new_stream(mx.default_device())
+
+# `python -m gemma4_mlx.generate` runs this file after the package has imported it (gemma4_mlx
+# re-exports generate/stream_generate), so runpy warns on every run of the command line. Running
+# the module body twice is harmless here; silence just that warning.
+warnings.filterwarnings("ignore", message=r"'gemma4_mlx\.generate' found in sys\.modules", category=RuntimeWarning)
 
 
 class ContextLengthError(ValueError):
@@ -148,10 +154,10 @@ def stream_generate(
     if seed is not None:
         mx.random.seed(seed)
     sampler = sampler or make_sampler(temp=temperature, top_p=top_p, min_p=min_p, top_k=top_k)
-    if logits_processors is None:
-        logits_processors = make_logits_processors(
-            repetition_penalty=repetition_penalty, repetition_context_size=repetition_context_size
-        )
+    # The repetition penalty applies with or without custom processors, which run after it.
+    logits_processors = make_logits_processors(
+        repetition_penalty=repetition_penalty, repetition_context_size=repetition_context_size
+    ) + list(logits_processors or [])
     cache = cache if cache is not None else model.make_cache()
     eos = processor.eos_token_ids
     detokenizer = processor.detokenizer
