@@ -15,6 +15,7 @@ from dataclasses import dataclass
 from typing import Any, Callable, Generator
 
 import mlx.core as mx
+import numpy as np
 from mlx_lm.sample_utils import make_logits_processors, make_sampler
 
 from .model import check_token_ids
@@ -46,24 +47,54 @@ class GenerationChunk:
     logprobs: mx.array | None = None
 
 
-def prefill(model, tokens: mx.array, cache: list, step_size: int = 2048, progress: Callable[[int, int], Any] | None = None) -> mx.array:
-    """Run ``tokens`` [L] through the model in chunks, filling ``cache``; returns the last token.
+def prefill(
+    model,
+    tokens: mx.array,
+    cache: list,
+    step_size: int = 2048,
+    progress: Callable[[int, int], Any] | None = None,
+    inputs_embeds: mx.array | None = None,
+) -> tuple[mx.array, mx.array | None]:
+    """Run all but the last of ``tokens`` [L] through the model in chunks, filling ``cache``.
 
-    Only the cache states are evaluated, so MLX never computes the chunks' logits (nor the
-    KV-shared layers, which write no cache).
+    Returns the last token (and its embedding, with ``inputs_embeds`` [L, hidden]). Only the cache
+    states are evaluated, so MLX never computes the chunks' logits (nor the KV-shared layers, which
+    write no cache). Chunks never cut through an image block, which must see itself whole.
     """
     total = tokens.size
+    blocks = model.vision_block_ids(np.array(tokens)[None])
     done = 0
     while tokens.size > 1:
         n = min(step_size, tokens.size - 1)
-        model(tokens[None, :n], cache=cache)
+        if blocks is not None:
+            n = _chunk_end(blocks[0, done:], n)
+        embeds = inputs_embeds[None, :n] if inputs_embeds is not None else None
+        model(tokens[None, :n], cache=cache, inputs_embeds=embeds)
         mx.eval([c.state for c in cache])
         tokens = tokens[n:]
+        inputs_embeds = inputs_embeds[n:] if inputs_embeds is not None else None
         done += n
         if progress:
             progress(done, total)
         mx.clear_cache()
-    return tokens
+    return tokens, inputs_embeds
+
+
+def _chunk_end(blocks: np.ndarray, n: int) -> int:
+    """Move a chunk end of ``n`` tokens out of an image block: back to its start, or, for a block
+    longer than the chunk, forward to its end (one token is always left for the final step)."""
+    b = blocks[n - 1]
+    if b < 0 or n >= len(blocks) or blocks[n] != b:
+        return n
+    start = n - 1
+    while start > 0 and blocks[start - 1] == b:
+        start -= 1
+    if start > 0:
+        return start
+    end = n
+    while end < len(blocks) - 1 and blocks[end] == b:
+        end += 1
+    return end
 
 
 def generate_tokens(
@@ -75,17 +106,21 @@ def generate_tokens(
     logits_processors: list[Callable] | None = None,
     prefill_step_size: int = 2048,
     prompt_progress: Callable[[int, int], Any] | None = None,
+    inputs_embeds: mx.array | None = None,
 ) -> Generator[tuple[int, mx.array], None, None]:
     """Yield ``(token, logprobs)`` pairs: prefill ``prompt`` [L] into ``cache``, then decode.
+
+    ``inputs_embeds`` [L, hidden] are the prompt's embeddings with media merged in (computed once by
+    ``model.embed_multimodal``); decode steps embed their tokens themselves.
 
     The next token is computed asynchronously while the caller handles the current one, so the
     decode loop never waits on the host (the same pipelining as mlx-lm's ``generate_step``).
     """
     history = prompt
 
-    def step(tokens: mx.array):
+    def step(tokens: mx.array, embeds: mx.array | None = None):
         nonlocal history
-        logits = model(tokens[None], cache=cache)[:, -1, :]
+        logits = model(tokens[None], cache=cache, inputs_embeds=None if embeds is None else embeds[None])[:, -1, :]
         if logits_processors:
             for proc in logits_processors:
                 logits = proc(history, logits)
@@ -98,8 +133,8 @@ def generate_tokens(
     if max_tokens <= 0:
         return
     with mx.stream(generation_stream):
-        last = prefill(model, prompt, cache, prefill_step_size, prompt_progress)
-        token, logprobs = step(last)
+        last, last_embeds = prefill(model, prompt, cache, prefill_step_size, prompt_progress, inputs_embeds)
+        token, logprobs = step(last, last_embeds)
         mx.async_eval(token, logprobs)
     for n in range(max_tokens):
         if n + 1 < max_tokens:
@@ -132,6 +167,10 @@ def stream_generate(
     sampler: Callable[[mx.array], mx.array] | None = None,
     logits_processors: list[Callable] | None = None,
     prompt_progress: Callable[[int, int], Any] | None = None,
+    images=None,
+    audio=None,
+    videos=None,
+    max_soft_tokens: int | None = None,
 ) -> Generator[GenerationChunk, None, None]:
     """Generate text token by token.
 
@@ -140,9 +179,17 @@ def stream_generate(
     at ``temperature=0``; otherwise temperature, top-p, top-k and min-p apply (mlx-lm's sampler).
     Generation stops at the model's end tokens (``<eos>``, ``<turn|>``) or after ``max_tokens``.
     Pass ``cache`` to continue from an earlier prompt (it is updated in place).
+
+    Media come as ``{"type": "image" | "audio" | "video", ...}`` items of chat messages, or as
+    ``images``/``audio``/``videos`` lists matching the prompt's placeholders; ``max_soft_tokens`` is
+    the image token budget. The encoders run once, before the prompt is prefilled.
     """
-    ids = processor.prompt_ids(prompt, enable_thinking=enable_thinking)
-    check_token_ids(model.text_token_ids(mx.array(ids)), model.text_config.vocab_size)
+    inputs = processor.prepare(prompt, images, audio, videos, enable_thinking=enable_thinking, max_soft_tokens=max_soft_tokens)
+    ids_array = inputs.pop("input_ids")[0]
+    ids = ids_array.tolist()
+    media = {k: v for k, v in inputs.items() if v is not None}
+    inputs_embeds = model.embed_multimodal(ids_array, **media)[0] if media else None
+    check_token_ids(model.text_token_ids(ids_array), model.text_config.vocab_size)
     context = model.text_config.max_position_embeddings
     start = cache[0].offset if cache else 0
     if start + len(ids) >= context:
@@ -166,7 +213,9 @@ def stream_generate(
     mx.reset_peak_memory()
     tic = time.perf_counter()
     prompt_tps = gen_tic = None
-    tokens = generate_tokens(model, mx.array(ids), cache, max_tokens, sampler, logits_processors, prefill_step_size, prompt_progress)
+    tokens = generate_tokens(
+        model, ids_array, cache, max_tokens, sampler, logits_processors, prefill_step_size, prompt_progress, inputs_embeds
+    )
     for n, (tok, logprobs) in enumerate(tokens, start=1):
         if n == 1:
             prompt_tps = len(ids) / (time.perf_counter() - tic)
@@ -225,6 +274,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--model", required=True, help="local folder (HF or converted) or Hub repo id")
     p.add_argument("--prompt", required=True, help="the user message ('-' reads standard input)")
     p.add_argument("--system", default=None, help="system prompt")
+    p.add_argument("--image", action="append", default=[], help="an image file (repeatable)")
+    p.add_argument("--audio", action="append", default=[], help="an audio file (repeatable; E2B/E4B)")
+    p.add_argument("--video", action="append", default=[], help="a video file (repeatable)")
+    p.add_argument("--image-tokens", type=int, default=None, help="image token budget: 70, 140, 280 (default), 560, 1120")
     p.add_argument("--raw", action="store_true", help="send the prompt as is, without the chat template")
     p.add_argument("--thinking", action="store_true", help="let the model reason before answering")
     p.add_argument("--max-tokens", type=int, default=512)
@@ -244,7 +297,10 @@ def main(argv: list[str] | None = None) -> int:
         if args.raw:
             prompt: Any = text
         else:
-            prompt = ([{"role": "system", "content": args.system}] if args.system else []) + [{"role": "user", "content": text}]
+            media = [{"type": "image", "path": f} for f in args.image] + [{"type": "audio", "path": f} for f in args.audio]
+            media += [{"type": "video", "path": f} for f in args.video]
+            content = media + [{"type": "text", "text": text}] if media else text
+            prompt = ([{"role": "system", "content": args.system}] if args.system else []) + [{"role": "user", "content": content}]
         last = None
         for chunk in stream_generate(
             model,
@@ -258,6 +314,7 @@ def main(argv: list[str] | None = None) -> int:
             repetition_penalty=args.repetition_penalty,
             seed=args.seed,
             enable_thinking=args.thinking,
+            max_soft_tokens=args.image_tokens,
         ):
             print(chunk.text, end="", flush=True)
             last = chunk

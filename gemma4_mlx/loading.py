@@ -119,7 +119,12 @@ def sanitize(weights: dict[str, mx.array], config: ModelConfig) -> dict[str, mx.
             rest = k[len("model.") :]
             k = rest if rest.startswith(_TOWER_PREFIXES) else "language_model." + rest
         if k.startswith(_TOWER_PREFIXES):
-            continue  # multimodal towers are loaded by the multimodal model
+            tower = k.split(".", 1)[0]
+            if (tower in ("vision_tower", "embed_vision") and config.vision_config) or (
+                tower in ("audio_tower", "embed_audio") and config.audio_config
+            ):
+                out[k] = value
+            continue
         if "rotary_emb" in k or k.endswith("inv_freq"):
             continue  # RoPE tables are recomputed, never loaded
         if k.startswith("lm_head.") and text.tie_word_embeddings:
@@ -179,6 +184,14 @@ def load_model(model_path: str | Path, dtype: str | None = None, lazy: bool = Fa
             k: v.astype(target) if mx.issubdtype(v.dtype, mx.floating) and not k.endswith((".scales", ".biases")) else v
             for k, v in weights.items()
         }
+    for tower in ("vision_tower", "audio_tower"):
+        if tower in model:
+            prefix = tower + "."
+            own = {k[len(prefix) :]: v for k, v in weights.items() if k.startswith(prefix)}
+            weights = {k: v for k, v in weights.items() if not k.startswith(prefix)}
+            module = model[tower]
+            own = module.sanitize(own, module.config) if tower == "vision_tower" else module.sanitize(own)
+            weights.update({prefix + k: v for k, v in own.items()})
     if config.quantization:
         _quantize_like_checkpoint(model, config.quantization, weights)
     _check_weights(model, weights, model_path)

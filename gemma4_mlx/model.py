@@ -11,10 +11,14 @@ import warnings
 
 import mlx.core as mx
 import mlx.nn as nn
+import numpy as np
 
+from .audio import AudioConfig, AudioTower, encode_audio
 from .cache import make_cache
 from .config import ModelConfig
+from .multimodal import MediaError, MultimodalEmbedder
 from .text import TextModel, softcap
+from .vision import VisionConfig, VisionTower, encode_images
 
 
 class TokenIdError(ValueError):
@@ -40,6 +44,15 @@ class Gemma4Model(nn.Module):
         self.language_model = TextModel(config.text_config)
         if not config.text_config.tie_word_embeddings:
             self.lm_head = nn.Linear(config.text_config.hidden_size, config.text_config.vocab_size, bias=False)
+        hidden = config.text_config.hidden_size
+        if config.vision_config:
+            vc = VisionConfig.from_dict(config.vision_config)
+            self.vision_tower = VisionTower(vc)
+            self.embed_vision = MultimodalEmbedder(vc.hidden_size, hidden, vc.rms_norm_eps)
+        if config.audio_config:
+            ac = AudioConfig.from_dict(config.audio_config)
+            self.audio_tower = AudioTower(ac)
+            self.embed_audio = MultimodalEmbedder(ac.output_proj_dims, hidden, ac.rms_norm_eps)
         # Multimodal placeholder ids; the text decoder sees the pad token there (as in HF), and the
         # multimodal model overwrites those embeddings with soft tokens.
         self._media_token_ids = (
@@ -76,6 +89,71 @@ class Gemma4Model(nn.Module):
         mask = self.media_mask(input_ids)
         return input_ids if mask is None else mx.where(mask, self.text_config.pad_token_id or 0, input_ids)
 
+    @property
+    def has_vision(self) -> bool:
+        return "vision_tower" in self
+
+    @property
+    def has_audio(self) -> bool:
+        return "audio_tower" in self
+
+    def embed_multimodal(
+        self,
+        input_ids: mx.array,
+        pixel_values=None,
+        image_position_ids=None,
+        pixel_values_videos=None,
+        video_position_ids=None,
+        input_features=None,
+        input_features_mask=None,
+    ) -> mx.array:
+        """Text embeddings with the encoders' soft tokens scattered over the placeholder tokens.
+
+        Run once per prompt; the result feeds ``model(input_ids, inputs_embeds=...)`` chunk by chunk.
+        """
+        input_ids = mx.array(input_ids)
+        if input_ids.ndim == 1:
+            input_ids = input_ids[None]
+        text_ids = self.text_token_ids(input_ids)
+        check_token_ids(text_ids, self.text_config.vocab_size)
+        embeds = self.language_model.embed(text_ids)
+        flat_ids = np.array(input_ids).reshape(-1)
+        flat = embeds.reshape(-1, embeds.shape[-1])
+        media = [
+            ("image", self.config.image_token_id, pixel_values, lambda: encode_images(self.vision_tower, self.embed_vision, pixel_values, image_position_ids), self.has_vision),
+            ("video", self.config.video_token_id, pixel_values_videos, lambda: encode_images(self.vision_tower, self.embed_vision, pixel_values_videos, video_position_ids), self.has_vision),
+            ("audio", self.config.audio_token_id, input_features, lambda: encode_audio(self.audio_tower, self.embed_audio, input_features, input_features_mask), self.has_audio),
+        ]
+        for kind, token_id, given, encode, supported in media:
+            slots = np.flatnonzero(flat_ids == token_id) if token_id is not None else np.zeros(0, int)
+            if given is None:
+                if len(slots):
+                    raise MediaError(f"the prompt has {len(slots)} {kind} placeholder tokens but no {kind} input")
+                continue
+            if not supported:
+                raise MediaError(f"this model has no {'audio' if kind == 'audio' else 'vision'} tower: it cannot take {kind} input")
+            features = encode()
+            if features.shape[0] != len(slots):
+                raise MediaError(
+                    f"{kind} placeholders and {kind} soft tokens do not match: the prompt has {len(slots)}, "
+                    f"the {kind} input gives {features.shape[0]}"
+                )
+            flat[mx.array(slots, dtype=mx.int32)] = features.astype(flat.dtype)
+        return flat.reshape(embeds.shape)
+
+    def vision_block_ids(self, input_ids) -> np.ndarray | None:
+        """For ``use_bidirectional_attention == "vision"``: an id per contiguous run of image/video
+        soft tokens (-1 elsewhere), whose tokens see each other in sliding layers; None otherwise."""
+        if self.text_config.use_bidirectional_attention != "vision":
+            return None
+        ids = np.array(input_ids)
+        vision_ids = [i for i in (self.config.image_token_id, self.config.video_token_id) if i is not None]
+        is_vision = np.isin(ids, vision_ids)
+        if not is_vision.any():
+            return None
+        starts = is_vision & ~np.concatenate([np.zeros_like(is_vision[..., :1]), is_vision[..., :-1]], axis=-1)
+        return np.where(is_vision, np.cumsum(starts, axis=-1) - 1, -1)
+
     def logits(self, hidden: mx.array) -> mx.array:
         if self.text_config.tie_word_embeddings:
             out = self.language_model.embed_tokens.as_linear(hidden)
@@ -90,15 +168,30 @@ class Gemma4Model(nn.Module):
         cache: list | None = None,
         inputs_embeds: mx.array | None = None,
         per_layer_token_inputs: mx.array | None = None,
+        **media,
     ) -> mx.array:
         """Logits for ``input_ids`` [B, L] (or precomputed ``inputs_embeds`` [B, L, hidden]).
 
-        Prompts (L > 1) are checked against the vocabulary; single decode tokens are not, so
-        the decode loop never waits on the host.
+        Media inputs (``pixel_values``, ``image_position_ids``, ``pixel_values_videos``,
+        ``video_position_ids``, ``input_features``, ``input_features_mask``, as the processor returns
+        them) are encoded and merged into the embeddings. Prompts (L > 1) are checked against the
+        vocabulary; single decode tokens are not, so the decode loop never waits on the host.
         """
+        media = {k: v for k, v in media.items() if v is not None and k not in ("num_soft_tokens",)}
+        if input_ids is not None and not isinstance(input_ids, mx.array):
+            input_ids = mx.array(input_ids)
+        if media:
+            if input_ids is None:
+                raise ValueError("media inputs need input_ids with their placeholder tokens")
+            inputs_embeds = self.embed_multimodal(input_ids, **media)
+        masks = None
+        # Only prompts can hold image blocks; decode steps (L == 1) never look at their token on the host.
+        if input_ids is not None and input_ids.shape[-1] > 1:
+            blocks = self.vision_block_ids(input_ids.reshape(-1, input_ids.shape[-1]))
+            if blocks is not None:
+                offset = cache[0].offset if cache else 0
+                masks = self.language_model.make_masks(blocks.shape[-1], cache, offset, blocks)
         if input_ids is not None:
-            if not isinstance(input_ids, mx.array):
-                input_ids = mx.array(input_ids)
             if input_ids.ndim == 1:
                 input_ids = input_ids[None]
             input_ids = self.text_token_ids(input_ids)
@@ -106,5 +199,5 @@ class Gemma4Model(nn.Module):
                 check_token_ids(input_ids, self.text_config.vocab_size)
         elif inputs_embeds is None:
             raise ValueError("pass input_ids or inputs_embeds")
-        h = self.language_model(input_ids, cache, inputs_embeds, per_layer_token_inputs)
+        h = self.language_model(input_ids, cache, inputs_embeds, per_layer_token_inputs, masks)
         return self.logits(h)

@@ -1,19 +1,24 @@
-"""The processor: tokenizer, chat template and stop tokens of a checkpoint.
+"""The processor: tokenizer, chat template, stop tokens, and the image/audio/video processors.
 
 The tokenizer is loaded from the checkpoint's own files with transformers (``AutoTokenizer``) and
-wrapped by mlx-lm's ``TokenizerWrapper``, which picks the right streaming detokenizer. Text-only
-for now; images, audio and video are added by the multimodal processor.
+wrapped by mlx-lm's ``TokenizerWrapper``, which picks the right streaming detokenizer. Like HF's
+``Gemma4Processor``, ``processor(text=..., images=..., audio=..., videos=...)`` expands each
+placeholder (``<|image|>``, ``<|audio|>``, ``<|video|>``) into begin/end markers around one token per
+soft token, and returns arrays that ``model(**inputs)`` accepts.
 """
 
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 from typing import Any, Iterable
 
 import mlx.core as mx
+import numpy as np
 
 from .config import ModelConfig
+from .multimodal import MediaError
 
 END_OF_TURN = "<turn|>"
 
@@ -21,11 +26,19 @@ END_OF_TURN = "<turn|>"
 class Processor:
     """Turns prompts or chat messages into token ids, and token ids back into text."""
 
-    def __init__(self, tokenizer, config: ModelConfig, eos_token_ids: Iterable[int]):
+    def __init__(self, tokenizer, config: ModelConfig, eos_token_ids: Iterable[int], image_processor=None, audio_extractor=None):
         self.tokenizer = tokenizer  # mlx_lm.tokenizer_utils.TokenizerWrapper
         self.config = config
         self.eos_token_ids = set(eos_token_ids)
         self.tokenizer.eos_token_ids = self.eos_token_ids
+        self.image_processor = image_processor  # None for checkpoints without a vision tower
+        self.audio_extractor = audio_extractor  # None for checkpoints without an audio tower
+        tok = lambda i: tokenizer.convert_ids_to_tokens(i) if i is not None else None  # noqa: E731
+        self.image_token, self.video_token, self.audio_token = (
+            tok(config.image_token_id), tok(config.video_token_id), tok(config.audio_token_id)
+        )
+        self.boi_token, self.eoi_token = tok(config.boi_token_id), tok(config.eoi_token_id)
+        self.boa_token, self.eoa_token = tok(config.boa_token_id), tok(config.eoa_token_id)
 
     @classmethod
     def from_pretrained(cls, model_path: str | Path, config: ModelConfig | None = None) -> "Processor":
@@ -42,7 +55,16 @@ class Processor:
         if tokenizer.chat_template is None:
             # Prefer the checkpoint's own template; fall back to the published Gemma 4 one.
             tokenizer._tokenizer.chat_template = bundled_chat_template()
-        return cls(tokenizer, config, _eos_token_ids(model_path, config, tokenizer))
+        image_processor = audio_extractor = None
+        if config.vision_config:
+            from .image_processing import ImageProcessor
+
+            image_processor = ImageProcessor.from_pretrained(model_path)
+        if config.audio_config:
+            from .audio_processing import AudioFeatureExtractor
+
+            audio_extractor = AudioFeatureExtractor.from_pretrained(model_path)
+        return cls(tokenizer, config, _eos_token_ids(model_path, config, tokenizer), image_processor, audio_extractor)
 
     # ----------------------------------------------------------------- text <-> ids
     @property
@@ -86,19 +108,151 @@ class Processor:
         # The template writes <bos> itself, so the rendered text is encoded without specials.
         return self.apply_chat_template(prompt, enable_thinking=enable_thinking, tokenize=True, **kwargs)
 
-    def __call__(self, text: str | list[str] | None = None, **kwargs) -> dict[str, mx.array]:
-        """``processor(text=...)`` -> ``{"input_ids": mx.array [B, L]}`` for ``model(**inputs)``."""
+    def __call__(
+        self,
+        text: str | list[str] | None = None,
+        images=None,
+        audio=None,
+        videos=None,
+        max_soft_tokens: int | None = None,
+        add_special_tokens: bool = True,
+    ) -> dict[str, Any]:
+        """``processor(text=..., images=..., audio=..., videos=...)`` -> inputs for ``model(**inputs)``.
+
+        ``text`` holds one placeholder per media item, in order (``<|image|>``, ``<|audio|>``,
+        ``<|video|>``; the chat template writes them). ``max_soft_tokens`` is the image token budget
+        (70, 140, 280, 560 or 1120; default 280). Returns ``input_ids`` [1, L] and, per modality
+        present, ``pixel_values``/``image_position_ids``, ``pixel_values_videos``/
+        ``video_position_ids``, ``input_features``/``input_features_mask``.
+        """
         if text is None:
             raise ValueError("processor needs text")
-        texts = [text] if isinstance(text, str) else list(text)
-        ids = [self.encode(t) for t in texts]
-        if len({len(i) for i in ids}) != 1:
-            raise ValueError("texts of different token lengths cannot be batched without padding")
-        return {"input_ids": mx.array(ids)}
+        if not isinstance(text, str):
+            texts = list(text)
+            if len(texts) != 1 or images or audio or videos:
+                ids = [self.encode(t, add_special_tokens) for t in texts]
+                if images or audio or videos or len({len(i) for i in ids}) != 1:
+                    raise ValueError("batches need texts of equal token length and no media; pass one text")
+                return {"input_ids": mx.array(ids)}
+            text = texts[0]
+        inputs: dict[str, Any] = {}
+        expansions: dict[str, list[str]] = {}
+        if images is not None:
+            images = _as_list(images)
+            self._require(self.image_processor, "image")
+            out = self.image_processor(images, max_soft_tokens=max_soft_tokens)
+            inputs["pixel_values"] = mx.array(out["pixel_values"])
+            inputs["image_position_ids"] = mx.array(out["image_position_ids"])
+            expansions[self.image_token] = [self.boi_token + self.image_token * n + self.eoi_token for n in out["num_soft_tokens"]]
+        if audio is not None:
+            audio = _as_list(audio)
+            self._require(self.audio_extractor, "audio")
+            out = self.audio_extractor(audio)
+            inputs["input_features"] = mx.array(out["input_features"])
+            inputs["input_features_mask"] = mx.array(out["input_features_mask"])
+            if min(out["num_soft_tokens"]) == 0:
+                raise MediaError("an audio clip is too short to give any audio token (at least 0.01 s is needed)")
+            expansions[self.audio_token] = [self.boa_token + self.audio_token * n + self.eoa_token for n in out["num_soft_tokens"]]
+        if videos is not None:
+            videos = _as_list(videos)
+            self._require(self.image_processor, "video")
+            frames, pos, texts = [], [], []
+            from .video_processing import VIDEO_SOFT_TOKENS, load_video
+
+            for v in videos:
+                clip = load_video(v)
+                out = self.image_processor(list(clip.frames), max_soft_tokens=VIDEO_SOFT_TOKENS)
+                frames.append(out["pixel_values"])
+                pos.append(out["image_position_ids"])
+                texts.append(" ".join(
+                    f"{t} {self.boi_token}{self.video_token * n}{self.eoi_token}"
+                    for t, n in zip(clip.timestamp_labels(), out["num_soft_tokens"])
+                ))
+            inputs["pixel_values_videos"] = mx.array(np.concatenate(frames))
+            inputs["video_position_ids"] = mx.array(np.concatenate(pos))
+            expansions[self.video_token] = texts
+        text = self._expand(text, expansions)
+        inputs["input_ids"] = mx.array([self.encode(text, add_special_tokens)])
+        return inputs
+
+    def _require(self, part, kind: str) -> None:
+        if part is None:
+            tower = "audio" if kind == "audio" else "vision"
+            raise MediaError(f"this model has no {tower} tower: it cannot take {kind} input")
+
+    def _expand(self, text: str, expansions: dict[str, list[str]]) -> str:
+        """Replace the n-th placeholder of each kind by the n-th expansion; counts must agree."""
+        for token in (self.image_token, self.audio_token, self.video_token):
+            if token is None:
+                continue
+            found = text.count(token)
+            given = len(expansions.get(token, []))
+            if found != given:
+                kind = {self.image_token: "image", self.audio_token: "audio", self.video_token: "video"}[token]
+                raise MediaError(f"the prompt has {found} {kind} placeholder(s) ({token}) but {given} {kind} input(s) were given")
+        if not expansions:
+            return text
+        queues = {k: iter(v) for k, v in expansions.items()}
+        pattern = "|".join(re.escape(t) for t in expansions)
+        return re.sub(pattern, lambda m: next(queues[m.group(0)]), text)
+
+    def prepare(
+        self,
+        prompt,
+        images=None,
+        audio=None,
+        videos=None,
+        enable_thinking: bool = False,
+        max_soft_tokens: int | None = None,
+        **template_kwargs,
+    ) -> dict[str, Any]:
+        """Model inputs for a prompt: a string, token ids, or chat messages whose content lists may
+        hold ``{"type": "image" | "audio" | "video", ...}`` items (collected in order and added to
+        ``images``/``audio``/``videos``)."""
+        if isinstance(prompt, list) and prompt and isinstance(prompt[0], dict):
+            found = collect_media(prompt)
+            images = (found["image"] + _as_list(images)) or None
+            audio = (found["audio"] + _as_list(audio)) or None
+            videos = (found["video"] + _as_list(videos)) or None
+            text = self.apply_chat_template(prompt, enable_thinking=enable_thinking, **template_kwargs)
+            return self(text, images, audio, videos, max_soft_tokens, add_special_tokens=False)
+        if isinstance(prompt, str):
+            return self(prompt, images, audio, videos, max_soft_tokens)
+        if images or audio or videos:
+            raise ValueError("media inputs need a text or chat prompt with placeholders, not token ids")
+        return {"input_ids": mx.array([self.prompt_ids(prompt)])}
 
     @property
     def detokenizer(self):
         return self.tokenizer.detokenizer
+
+
+def _as_list(x) -> list:
+    if x is None:
+        return []
+    if isinstance(x, (list, tuple)):
+        return list(x)
+    return [x]
+
+
+_MEDIA_KEYS = {"image": ("image", "url", "path"), "audio": ("audio", "url", "path"), "video": ("video", "url", "path")}
+
+
+def collect_media(messages: list[dict[str, Any]]) -> dict[str, list]:
+    """The media items of HF-style content lists, per kind, in order of appearance."""
+    found: dict[str, list] = {"image": [], "audio": [], "video": []}
+    for message in messages:
+        content = message.get("content")
+        if not isinstance(content, list):
+            continue
+        for item in content:
+            kind = item.get("type") if isinstance(item, dict) else None
+            if kind in found:
+                source = next((item[k] for k in _MEDIA_KEYS[kind] if item.get(k) is not None), None)
+                if source is None:
+                    raise MediaError(f"a {kind} item has no data: give it an {kind!r}, 'url' or 'path' key")
+                found[kind].append(source)
+    return found
 
 
 def _eos_token_ids(model_path: Path, config: ModelConfig, tokenizer) -> set[int]:

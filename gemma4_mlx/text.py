@@ -236,13 +236,26 @@ class TextModel(nn.Module):
         ctx = self.per_layer_projection_norm(ctx)
         return (ctx + token_inputs) * (2.0**-0.5)
 
-    def make_masks(self, L: int, cache, offset: int) -> dict[str, Any]:
-        """Causal masks per layer type; sliding layers also mask keys older than the window."""
+    def make_masks(self, L: int, cache, offset: int, vision_blocks=None) -> dict[str, Any]:
+        """Causal masks per layer type; sliding layers also mask keys older than the window.
+
+        ``vision_blocks`` ([B, L] ids of image blocks, -1 for text) makes each block bidirectional in
+        sliding layers: (causal OR same block) AND inside the window. Blocks must not straddle chunks.
+        """
         masks = {}
         for layer_type, first in self._first_of_type.items():
             window = self.config.sliding_window if layer_type == SLIDING else None
             c = cache[first] if cache is not None else None
-            if c is not None:
+            if window is not None and vision_blocks is not None and L > 1:
+                # Keys: what the rotating cache keeps from before this chunk (window - 1), then the chunk.
+                past = min(window - 1, offset) if c is not None else 0
+                q = mx.arange(offset, offset + L)[:, None]
+                k = mx.arange(offset - past, offset + L)[None]
+                blocks = mx.array(vision_blocks)
+                kb = mx.concatenate([mx.full((blocks.shape[0], past), -1, blocks.dtype), blocks], axis=1)
+                same = (blocks[:, :, None] == kb[:, None, :]) & (blocks[:, :, None] >= 0)
+                masks[layer_type] = (((q >= k) | same) & (k > q - window))[:, None]
+            elif c is not None:
                 masks[layer_type] = c.make_mask(L, window_size=window, return_array=False)
             elif L == 1:
                 masks[layer_type] = None

@@ -15,6 +15,7 @@ import numpy as np
 from .multimodal import MediaError
 
 NUM_FRAMES = 32
+VIDEO_SOFT_TOKENS = 70  # image token budget per frame
 DEFAULT_FPS = 24.0  # transformers' fallback when a video's frame rate is unknown
 
 

@@ -91,8 +91,9 @@ def text_config(family: str, **overrides) -> dict:
     return cfg
 
 
-def build_hf_model(family: str, seed: int = 0, text_only: bool = False, **overrides):
-    """A random fp32 transformers model of the family, with non-trivial norms and scalars."""
+def build_hf_model(family: str, seed: int = 0, text_only: bool = False, vision_config=None, audio_config=None, **overrides):
+    """A random fp32 transformers model of the family, with non-trivial norms and scalars
+    (and, with ``vision_config``/``audio_config`` dicts, random towers with finite clip bounds)."""
     from transformers import Gemma4Config, Gemma4ForCausalLM, Gemma4ForConditionalGeneration, Gemma4TextConfig
 
     torch.manual_seed(seed)
@@ -100,7 +101,7 @@ def build_hf_model(family: str, seed: int = 0, text_only: bool = False, **overri
     if text_only:
         model = Gemma4ForCausalLM(Gemma4TextConfig(**tc))
     else:
-        cfg = Gemma4Config(text_config=tc, vision_config=None, audio_config=None, **media_token_ids())
+        cfg = Gemma4Config(text_config=tc, vision_config=vision_config, audio_config=audio_config, **media_token_ids())
         model = Gemma4ForConditionalGeneration(cfg)
     g = torch.Generator().manual_seed(seed + 1)
     with torch.no_grad():
@@ -115,6 +116,14 @@ def build_hf_model(family: str, seed: int = 0, text_only: bool = False, **overri
                 p.copy_(torch.empty_like(p).uniform_(0.5, 1.0, generator=g))
             elif name.endswith("router.scale") or name.endswith("per_expert_scale"):
                 p.copy_(torch.empty_like(p).uniform_(0.5, 1.5, generator=g))
+            elif name.endswith(("input_min", "output_min")):
+                p.copy_(torch.empty_like(p).uniform_(-2.0, -1.0, generator=g))
+            elif name.endswith(("input_max", "output_max")):
+                p.copy_(torch.empty_like(p).uniform_(1.0, 2.0, generator=g))
+            elif name.endswith("std_scale"):
+                p.copy_(torch.empty_like(p).uniform_(0.5, 1.5, generator=g))
+            elif name.endswith("std_bias") or name.endswith("position_embedding_table"):
+                p.copy_(torch.randn(p.shape, generator=g) * 0.5)
     model.eval()
     model.config._attn_implementation = "eager"
     return model
