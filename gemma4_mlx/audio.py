@@ -19,7 +19,7 @@ import mlx.nn as nn
 import numpy as np
 from mlx.utils import tree_flatten
 
-from .multimodal import MultimodalEmbedder
+from .multimodal import ClippableLinear, MultimodalEmbedder
 
 _ACTIVATIONS = {"silu": nn.silu, "swish": nn.silu, "gelu": nn.gelu, "gelu_pytorch_tanh": nn.gelu_approx, "relu": nn.relu}
 
@@ -66,26 +66,6 @@ def _clip(x: mx.array, limit: float) -> mx.array:
     return mx.clip(x, -limit, limit)
 
 
-class ClippableLinear(nn.Module):
-    """A bias-free linear whose input and output are clamped to bounds stored in the checkpoint."""
-
-    def __init__(self, config: AudioConfig, in_dims: int, out_dims: int):
-        super().__init__()
-        self.linear = nn.Linear(in_dims, out_dims, bias=False)
-        if config.use_clipped_linears:
-            self.input_min = mx.array(-math.inf)
-            self.input_max = mx.array(math.inf)
-            self.output_min = mx.array(-math.inf)
-            self.output_max = mx.array(math.inf)
-
-    def __call__(self, x: mx.array) -> mx.array:
-        if "input_min" not in self:
-            return self.linear(x)
-        x = mx.clip(x, self.input_min.astype(x.dtype), self.input_max.astype(x.dtype))
-        y = self.linear(x)
-        return mx.clip(y, self.output_min.astype(y.dtype), self.output_max.astype(y.dtype))
-
-
 class SubsampleLayer(nn.Module):
     """Mask padding frames, 3x3 stride-2 conv over (time, freq), LayerNorm over channels, ReLU."""
 
@@ -123,8 +103,8 @@ class FeedForward(nn.Module):
     def __init__(self, config: AudioConfig):
         super().__init__()
         h = config.hidden_size
-        self.ffw_layer_1 = ClippableLinear(config, h, 4 * h)
-        self.ffw_layer_2 = ClippableLinear(config, 4 * h, h)
+        self.ffw_layer_1 = ClippableLinear(h, 4 * h, config.use_clipped_linears)
+        self.ffw_layer_2 = ClippableLinear(4 * h, h, config.use_clipped_linears)
         # transformers builds these two norms with the default eps (1e-6), not rms_norm_eps.
         self.pre_layer_norm = nn.RMSNorm(h, eps=1e-6)
         self.post_layer_norm = nn.RMSNorm(h, eps=1e-6)
@@ -153,10 +133,10 @@ class Attention(nn.Module):
         # log2-based scales of the original implementation; softplus(0) * k_scale == 1.
         self.q_scale = (self.head_dim**-0.5) / math.log(2)
         self.k_scale = math.log(1 + math.e) / math.log(2)
-        self.q_proj = ClippableLinear(config, h, h)
-        self.k_proj = ClippableLinear(config, h, h)
-        self.v_proj = ClippableLinear(config, h, h)
-        self.post = ClippableLinear(config, h, h)
+        self.q_proj = ClippableLinear(h, h, config.use_clipped_linears)
+        self.k_proj = ClippableLinear(h, h, config.use_clipped_linears)
+        self.v_proj = ClippableLinear(h, h, config.use_clipped_linears)
+        self.post = ClippableLinear(h, h, config.use_clipped_linears)
         self.relative_k_proj = nn.Linear(h, h, bias=False)
         self.per_dim_scale = mx.zeros((self.head_dim,))
 
@@ -205,8 +185,8 @@ class LightConv(nn.Module):
         super().__init__()
         h, eps = config.hidden_size, config.rms_norm_eps
         self.kernel = config.conv_kernel_size
-        self.linear_start = ClippableLinear(config, h, 2 * h)
-        self.linear_end = ClippableLinear(config, h, h)
+        self.linear_start = ClippableLinear(h, 2 * h, config.use_clipped_linears)
+        self.linear_end = ClippableLinear(h, h, config.use_clipped_linears)
         self.depthwise_conv1d = nn.Conv1d(h, h, self.kernel, groups=h, bias=False)
         self.pre_layer_norm = nn.RMSNorm(h, eps=eps)
         self.conv_norm = nn.RMSNorm(h, eps=eps)

@@ -18,7 +18,7 @@ import mlx.core as mx
 import numpy as np
 
 from .config import ModelConfig
-from .multimodal import MediaError
+from .multimodal import MediaError, resolve_source
 
 END_OF_TURN = "<turn|>"
 
@@ -251,7 +251,7 @@ def collect_media(messages: list[dict[str, Any]]) -> dict[str, list]:
                 source = next((item[k] for k in _MEDIA_KEYS[kind] if item.get(k) is not None), None)
                 if source is None:
                     raise MediaError(f"a {kind} item has no data: give it an {kind!r}, 'url' or 'path' key")
-                found[kind].append(source)
+                found[kind].append(resolve_source(source))
     return found
 
 

@@ -16,7 +16,7 @@ import mlx.core as mx
 import mlx.nn as nn
 import numpy as np
 
-from .multimodal import MultimodalEmbedder
+from .multimodal import ClippableLinear, MultimodalEmbedder
 
 _ACTIVATIONS = {"gelu_pytorch_tanh": nn.gelu_approx, "gelu": nn.gelu, "silu": nn.silu, "relu": nn.relu}
 _CLIP_BOUNDS = ("input_min", "input_max", "output_min", "output_max")
@@ -57,26 +57,6 @@ class VisionConfig:
         # transformers' default for the vision tower is 100 (axial RoPE), not the text 10_000.
         params = self.rope_parameters or {}
         return float(params.get("rope_theta", self.extra.get("rope_theta", 100.0)))
-
-
-class ClippableLinear(nn.Module):
-    """A bias-free linear whose input and output are clamped to bounds stored in the checkpoint."""
-
-    def __init__(self, in_dims: int, out_dims: int, clipped: bool):
-        super().__init__()
-        self.linear = nn.Linear(in_dims, out_dims, bias=False)
-        if clipped:
-            self.input_min = mx.array(-math.inf)
-            self.input_max = mx.array(math.inf)
-            self.output_min = mx.array(-math.inf)
-            self.output_max = mx.array(math.inf)
-
-    def __call__(self, x: mx.array) -> mx.array:
-        if "input_min" not in self:
-            return self.linear(x)
-        x = mx.clip(x, self.input_min.astype(x.dtype), self.input_max.astype(x.dtype))
-        y = self.linear(x)
-        return mx.clip(y, self.output_min.astype(y.dtype), self.output_max.astype(y.dtype))
 
 
 def rope_2d(x: mx.array, offsets: mx.array, base: float) -> mx.array:

@@ -204,3 +204,13 @@ def test_cli_takes_an_image(e2b_mm, tmp_path):
         capture_output=True, text=True, timeout=120,
     )  # fmt: skip
     assert missing.returncode == 1 and missing.stderr.startswith("error:") and "nope.png" in missing.stderr
+
+
+def test_file_urls_in_messages(e2b_mm, tmp_path):
+    img = tmp_path / "u.png"
+    image(40, 40, 10).save(img)
+    by_url = e2b_mm.processor.prepare(messages_with({"type": "image", "url": img.as_uri()}))
+    by_path = e2b_mm.processor.prepare(messages_with({"type": "image", "path": str(img)}))
+    assert np.array_equal(np.array(by_url["pixel_values"]), np.array(by_path["pixel_values"]))
+    with pytest.raises(MediaError, match="scheme"):
+        e2b_mm.processor.prepare(messages_with({"type": "image", "url": "ftp://example/x.png"}))
