@@ -214,3 +214,34 @@ def test_file_urls_in_messages(e2b_mm, tmp_path):
     assert np.array_equal(np.array(by_url["pixel_values"]), np.array(by_path["pixel_values"]))
     with pytest.raises(MediaError, match="scheme"):
         e2b_mm.processor.prepare(messages_with({"type": "image", "url": "ftp://example/x.png"}))
+
+
+@pytest.mark.parametrize("budget", [70, 280, 1120])
+def test_processor_matches_hf_gemma4_processor(e2b_mm, budget, monkeypatch):
+    """Whole-processor parity: placeholder expansion, token ids, pixels and audio features.
+
+    transformers' processor insists on a video processor, which needs torchvision (no CPU build
+    here), so its class check is bypassed and the processor is built without one.
+    """
+    from transformers import AutoTokenizer
+    from transformers.models.gemma4.feature_extraction_gemma4 import Gemma4AudioFeatureExtractor
+    from transformers.models.gemma4.image_processing_pil_gemma4 import Gemma4ImageProcessorPil
+    from transformers.models.gemma4.processing_gemma4 import Gemma4Processor
+    from transformers.processing_utils import ProcessorMixin
+
+    monkeypatch.setattr(ProcessorMixin, "check_argument_for_proper_class", lambda *a, **k: None)
+    p = e2b_mm.processor
+    specials = dict(image_token=p.image_token, boi_token=p.boi_token, eoi_token=p.eoi_token,
+                    audio_token=p.audio_token, boa_token=p.boa_token, eoa_token=p.eoa_token)  # fmt: skip
+    tok = AutoTokenizer.from_pretrained(str(e2b_mm.path), extra_special_tokens=specials)
+    hf = Gemma4Processor(Gemma4AudioFeatureExtractor(), Gemma4ImageProcessorPil(), tok, None)
+    images = [image(300, 200, 11), image(17, 500, 12)]
+    clips = [tone(2.41), tone(0.77, 200)]
+    text = f"x {p.image_token} y {p.audio_token} z {p.image_token} w {p.audio_token}"
+    ref = hf(text=[text], images=[images], audio=clips, max_soft_tokens=budget, return_tensors="np")
+    ours = p(text, images=images, audio=clips, max_soft_tokens=budget)
+    assert np.array_equal(np.array(ours["input_ids"]), ref["input_ids"])
+    np.testing.assert_allclose(np.array(ours["pixel_values"]), ref["pixel_values"], atol=1e-6)
+    assert np.array_equal(np.array(ours["image_position_ids"]), ref["image_position_ids"])
+    np.testing.assert_allclose(np.array(ours["input_features"]), ref["input_features"], atol=1e-5)
+    assert np.array_equal(np.array(ours["input_features_mask"]), ref["input_features_mask"])
