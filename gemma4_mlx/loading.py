@@ -164,18 +164,22 @@ def _quantize_like_checkpoint(model: nn.Module, quantization: dict[str, Any], we
     )
 
 
-def load_model(model_path: str | Path, dtype: str | None = None, lazy: bool = False) -> Gemma4Model:
+def load_model(model_path: str | Path, dtype: str | None = None, lazy: bool = False, lazy_ple: bool = True) -> Gemma4Model:
     """Build the model from a local checkpoint folder and load its weights.
 
     ``dtype`` casts floating-point weights ("bfloat16", "float16", "float32"); by default the
     checkpoint's own dtype is kept. With ``lazy=True`` weights are read from disk on first use.
+    With ``lazy_ple=True`` (E2B/E4B) the per-layer-embedding table stays on disk, memory-mapped,
+    and only the rows of the tokens processed are read (see :mod:`gemma4_mlx.ple`);
+    ``lazy_ple=False`` loads it into memory (4.7 GB for E2B in bf16) for slightly faster lookups.
     """
     model_path = Path(model_path)
     if not model_path.is_dir():
         raise FileNotFoundError(f"model folder not found: {model_path}")
     config = load_config(model_path)
     model = Gemma4Model(config)
-    weights = sanitize(read_weights(weight_files(model_path)), config)
+    files = weight_files(model_path)
+    weights = sanitize(read_weights(files), config)
     if dtype is not None:
         if dtype not in _DTYPES:
             raise ValueError(f"dtype must be one of {sorted(_DTYPES)}, not {dtype!r}")
@@ -184,6 +188,25 @@ def load_model(model_path: str | Path, dtype: str | None = None, lazy: bool = Fa
             k: v.astype(target) if mx.issubdtype(v.dtype, mx.floating) and not k.endswith((".scales", ".biases")) else v
             for k, v in weights.items()
         }
+    ple = "language_model.embed_tokens_per_layer"
+    quant_mode = (config.quantization or {}).get("mode", "affine")
+    if lazy_ple and f"{ple}.weight" in weights and (f"{ple}.scales" not in weights or quant_mode == "affine"):
+        from .ple import PLE_KEYS, map_ple_table
+
+        tc = config.text_config
+        mapped = map_ple_table(
+            model_path, files, PLE_KEYS, dtype=_DTYPES[dtype] if dtype else None,
+            dims=tc.num_hidden_layers * tc.hidden_size_per_layer_input,
+        )  # fmt: skip
+        if mapped is not None:
+            if mapped.shape[0] != tc.vocab_size_per_layer_input:
+                raise CheckpointError(
+                    f"weights in {model_path} do not match its config.json: {ple}.weight has "
+                    f"{mapped.shape[0]} rows, the config implies {tc.vocab_size_per_layer_input}"
+                )
+            for suffix in (".weight", ".scales", ".biases"):
+                weights.pop(ple + suffix, None)  # never read: mx.load's arrays are lazy
+            model.language_model.use_mapped_ple(mapped)
     for tower in ("vision_tower", "audio_tower"):
         if tower in model:
             prefix = tower + "."
@@ -224,15 +247,22 @@ def _check_weights(model: nn.Module, weights: dict[str, mx.array], model_path: P
             )
 
 
-def load(path_or_repo_id: str | Path, dtype: str | None = None, lazy: bool = False, revision: str | None = None):
+def load(
+    path_or_repo_id: str | Path,
+    dtype: str | None = None,
+    lazy: bool = False,
+    revision: str | None = None,
+    lazy_ple: bool = True,
+):
     """Load a Gemma 4 checkpoint: ``model, processor = load("google/gemma-4-E2B-it")``.
 
     ``path_or_repo_id`` is a local folder (HF original or converted) or a Hub repo id.
+    ``lazy_ple`` keeps the E2B/E4B per-layer-embedding table memory-mapped on disk (see ``load_model``).
     """
     from .processing import Processor
 
     model_path = resolve_model_path(path_or_repo_id, revision=revision)
-    model = load_model(model_path, dtype=dtype, lazy=lazy)
+    model = load_model(model_path, dtype=dtype, lazy=lazy, lazy_ple=lazy_ple)
     processor = Processor.from_pretrained(model_path, model.config)
     return model, processor
 

@@ -221,10 +221,25 @@ class TextModel(nn.Module):
         h = self.embed_tokens(input_ids)
         return h * mx.array(self.config.hidden_size**0.5, dtype=h.dtype)
 
+    def use_mapped_ple(self, mapped) -> None:
+        """Look PLE rows up in ``mapped`` (a :class:`~gemma4_mlx.ple.MappedEmbedding` over the
+        checkpoint file) instead of the in-memory ``embed_tokens_per_layer``, which is removed.
+
+        ``mapped`` is a plain attribute, not a parameter: ``parameters()``/``load_weights`` skip it.
+        """
+        if mapped is None:
+            raise ValueError("use_mapped_ple needs a mapped table")
+        if "embed_tokens_per_layer" in self:
+            del self.embed_tokens_per_layer
+        self._mapped_ple = mapped
+
     def per_layer_token_inputs(self, input_ids: mx.array) -> mx.array:
         """Token part of PLE: [B, L, layers, ple_dim]."""
         cfg = self.config
-        e = self.embed_tokens_per_layer(input_ids)
+        # A mapped table gathers its rows on the host, so it evaluates input_ids (during decode,
+        # the sampled token): inherent to reading from disk, and the only sync it adds.
+        mapped = getattr(self, "_mapped_ple", None)
+        e = mapped(input_ids) if mapped is not None else self.embed_tokens_per_layer(input_ids)
         e = e * mx.array(cfg.hidden_size_per_layer_input**0.5, dtype=e.dtype)
         return e.reshape(*input_ids.shape, cfg.num_hidden_layers, cfg.hidden_size_per_layer_input)
 

@@ -1,0 +1,205 @@
+"""Convert a Hugging Face Gemma 4 checkpoint into MLX weights, optionally quantized.
+
+The output folder holds sharded safetensors with an index, ``config.json`` (the original plus a
+``quantization`` section), the tokenizer files, chat template and processor configs, and a short
+model card. It is written to a temporary folder beside the target and renamed at the end, so an
+interrupted or failed conversion never leaves a folder that looks complete.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import shutil
+import tempfile
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Callable
+
+import mlx.core as mx
+import mlx.nn as nn
+from mlx.utils import tree_flatten
+
+from gemma4_mlx.loading import load_config, load_model, resolve_model_path
+
+DTYPES = ("bfloat16", "float16", "float32")
+MODES = {"affine": (2, 3, 4, 5, 6, 8), "mxfp4": (4,), "mxfp8": (8,)}
+RECIPES = ("mixed_2_6", "mixed_3_4", "mixed_3_6", "mixed_4_6", "mixed_4_8")
+TOWERS = ("vision_tower", "audio_tower", "embed_vision", "embed_audio")
+# Everything a checkpoint folder needs besides its weights and config.json.
+SIDE_FILES = (
+    "tokenizer.json", "tokenizer.model", "tokenizer_config.json", "special_tokens_map.json", "added_tokens.json",
+    "chat_template.jinja", "chat_template.json", "generation_config.json", "processor_config.json",
+    "preprocessor_config.json", "feature_extractor_config.json", "video_preprocessor_config.json",
+)  # fmt: skip
+
+
+class ConversionError(RuntimeError):
+    """The conversion could not be completed; nothing was left at the output path."""
+
+
+@dataclass
+class QuantizationPlan:
+    """How each module is quantized: defaults plus per-module overrides (mlx-lm's config format)."""
+
+    bits: int
+    group_size: int
+    mode: str
+    recipe: str | None = None
+    towers: bool = False
+    overrides: dict[str, dict] = field(default_factory=dict)
+    notes: list[str] = field(default_factory=list)
+
+    def config(self) -> dict:
+        return {"group_size": self.group_size, "bits": self.bits, "mode": self.mode, **self.overrides}
+
+
+def _check_options(dtype: str, bits: int, group_size: int, mode: str, recipe: str | None) -> None:
+    if dtype not in DTYPES:
+        raise ValueError(f"--dtype must be one of {', '.join(DTYPES)}, not {dtype!r}")
+    if mode not in MODES:
+        raise ValueError(f"--q-mode must be one of {', '.join(MODES)}, not {mode!r}")
+    if bits not in MODES[mode]:
+        raise ValueError(f"{mode} quantization supports {MODES[mode]} bits, not {bits}")
+    if mode != "affine" and group_size != 32:
+        raise ValueError(f"{mode} quantization needs --q-group-size 32")
+    if mode == "affine" and group_size not in (32, 64, 128):
+        raise ValueError(f"--q-group-size must be 32, 64 or 128, not {group_size}")
+    if recipe is not None and recipe not in RECIPES:
+        raise ValueError(f"--quant-recipe must be one of {', '.join(RECIPES)}, not {recipe!r}")
+
+
+def _more_bits(layer: int, n: int) -> bool:
+    """llama.cpp's Q4_K_M choice (as in mlx-lm's mixed recipes): first and last eighth, every third."""
+    return layer < n // 8 or layer >= 7 * n // 8 or (layer - n // 8) % 3 == 2
+
+
+def quantize_model(model: nn.Module, plan: QuantizationPlan) -> QuantizationPlan:
+    """Quantize ``model`` in place following ``plan``; fills ``plan.overrides`` and ``plan.notes``."""
+    n_layers = len(model.layers)
+    low, high = (int(b) for b in plan.recipe.split("_")[1:]) if plan.recipe else (plan.bits, plan.bits)
+    default = {"group_size": plan.group_size, "bits": low, "mode": plan.mode}
+    eight_bit = {"group_size": 64, "bits": 8, "mode": "affine"}
+
+    def predicate(path: str, module: nn.Module):
+        if not hasattr(module, "to_quantized"):
+            return False  # norms, scalars, convolutions, position tables stay in float
+        if path.startswith(TOWERS) and not plan.towers:
+            return False
+        if path.endswith("embed_tokens_per_layer"):
+            # 4-bit PLE tables are known to ruin real E2B/E4B models: never below 8 bits.
+            choice = eight_bit if low < 8 else default
+        elif path.endswith("router.proj"):
+            choice = eight_bit  # routing decisions are sensitive; the router is tiny
+        elif plan.recipe and re.search(r"\.(v_proj|down_proj)$", path) and (m := re.search(r"layers\.(\d+)\.", path)):
+            choice = {**default, "bits": high} if _more_bits(int(m.group(1)), n_layers) else default
+        elif plan.recipe and path.endswith("embed_tokens"):
+            choice = {**default, "bits": high}  # the tied LM head
+        else:
+            choice = default
+        in_dims = module.weight.shape[-1]
+        if in_dims % choice["group_size"]:
+            plan.notes.append(f"{path}: input size {in_dims} is not a multiple of {choice['group_size']}; kept in float")
+            return False
+        if choice != {"group_size": plan.group_size, "bits": plan.bits, "mode": plan.mode}:
+            plan.overrides[path] = choice
+        return choice
+
+    nn.quantize(model, group_size=plan.group_size, bits=plan.bits, mode=plan.mode, class_predicate=predicate)
+    return plan
+
+
+def _shards(weights: dict[str, mx.array], max_bytes: int) -> list[dict[str, mx.array]]:
+    shards, current, size = [], {}, 0
+    for k in sorted(weights):
+        v = weights[k]
+        if current and size + v.nbytes > max_bytes:
+            shards.append(current)
+            current, size = {}, 0
+        current[k] = v
+        size += v.nbytes
+    if current:
+        shards.append(current)
+    return shards
+
+
+def _model_card(source: str, config: dict, plan: QuantizationPlan | None, dtype: str, total_bytes: int) -> str:
+    quant = "not quantized" if plan is None else (
+        f"{plan.recipe or f'{plan.bits}-bit'} {plan.mode}, group size {plan.group_size}"
+        + ("" if plan.towers else "; vision/audio towers in float")
+    )
+    return (
+        f"# {Path(source).name} (MLX)\n\n"
+        f"Converted from `{source}` with `python -m convert` (gemma4-mlx) for Apple's MLX.\n\n"
+        f"- dtype: {dtype}\n- quantization: {quant}\n- weights: {total_bytes / 1e9:.2f} GB\n\n"
+        "```python\nimport gemma4_mlx\nmodel, processor = gemma4_mlx.load(\"PATH\")\n```\n"
+    )
+
+
+def convert(
+    hf_path: str,
+    mlx_path: str | Path,
+    dtype: str = "bfloat16",
+    quantize: bool = False,
+    q_bits: int = 4,
+    q_group_size: int = 64,
+    q_mode: str = "affine",
+    quant_recipe: str | None = None,
+    quantize_towers: bool = False,
+    force: bool = False,
+    max_shard_gb: float = 5.0,
+    progress: Callable[[str], None] = print,
+) -> Path:
+    """Convert ``hf_path`` (folder or Hub repo id) into an MLX folder at ``mlx_path``."""
+    _check_options(dtype, q_bits, q_group_size, q_mode, quant_recipe if quantize else None)
+    out = Path(mlx_path).expanduser()
+    if out.exists() and not force:
+        raise FileExistsError(f"{out} already exists; pass --force to replace it")
+    src = resolve_model_path(hf_path)
+    load_config(src)  # a clear error for anything that is not Gemma 4, before reading weights
+    # The whole PLE table in memory: it is about to be written out (and maybe quantized).
+    model = load_model(src, dtype=dtype, lazy=True, lazy_ple=False)
+    plan = None
+    if quantize:
+        plan = quantize_model(model, QuantizationPlan(q_bits, q_group_size, q_mode, quant_recipe, quantize_towers))
+        for note in plan.notes:
+            progress(f"note: {note}")
+    weights = dict(tree_flatten(model.parameters()))
+    shards = _shards(weights, int(max_shard_gb * 1e9))
+
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.partial-", dir=out.parent))
+    try:
+        weight_map, total = {}, 0
+        for i, shard in enumerate(shards, start=1):
+            name = f"model-{i:05d}-of-{len(shards):05d}.safetensors"
+            mx.save_safetensors(str(tmp / name), shard, metadata={"format": "mlx"})
+            nbytes = sum(v.nbytes for v in shard.values())
+            total += nbytes
+            weight_map.update({k: name for k in shard})
+            progress(f"[{i}/{len(shards)}] {name}: {len(shard)} tensors, {nbytes / 1e9:.2f} GB")
+        (tmp / "model.safetensors.index.json").write_text(
+            json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map}, indent=2)
+        )
+        config = json.loads((src / "config.json").read_text())
+        config.pop("quantization_config", None)
+        config.pop("quantization", None)
+        if plan is not None:
+            config["quantization"] = plan.config()
+        config["mlx_dtype"] = dtype
+        (tmp / "config.json").write_text(json.dumps(config, indent=2))
+        for name in SIDE_FILES:
+            if (src / name).exists():
+                shutil.copy2(src / name, tmp / name)
+        (tmp / "README.md").write_text(_model_card(str(hf_path), config, plan, dtype, total))
+        if out.exists():
+            shutil.rmtree(out)
+        tmp.rename(out)
+    except BaseException as e:
+        shutil.rmtree(tmp, ignore_errors=True)
+        if isinstance(e, (KeyboardInterrupt, SystemExit)):
+            raise
+        raise ConversionError(f"conversion to {out} failed, nothing was written: {e}") from e
+    progress(f"wrote {out} ({total / 1e9:.2f} GB)")
+    return out
+

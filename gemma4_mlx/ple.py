@@ -1,0 +1,249 @@
+"""A memory-mapped per-layer-embedding (PLE) table.
+
+The E2B/E4B PLE table ``embed_tokens_per_layer`` is ``262144 x (layers * 256)``: 4.7 GB for E2B in
+bf16, more than the rest of the model. Each token only ever needs its own row, so the table stays in
+the checkpoint file: :class:`MappedEmbedding` maps the tensor's bytes with ``numpy.memmap`` and
+gathers the rows of the tokens being processed. Only the pages of those rows are ever read.
+
+It stands in for ``nn.Embedding`` (or ``nn.QuantizedEmbedding`` for an MLX-quantized table) in
+:meth:`gemma4_mlx.text.TextModel.per_layer_token_inputs` and returns exactly the same values; it is
+not an MLX module, so ``model.parameters()`` and ``load_weights`` never see the table.
+"""
+
+from __future__ import annotations
+
+import json
+import mmap
+import struct
+from pathlib import Path
+
+import mlx.core as mx
+import numpy as np
+
+from .loading import CheckpointError
+
+# The names the table has in the layouts we load: HF multimodal, HF text-only, mlx-vlm / mlx-lm.
+PLE_KEYS = [
+    "model.language_model.embed_tokens_per_layer.weight",
+    "model.embed_tokens_per_layer.weight",
+    "language_model.model.embed_tokens_per_layer.weight",
+    "language_model.embed_tokens_per_layer.weight",
+]
+
+# safetensors dtype -> (numpy dtype of the stored bytes, MLX dtype of the values)
+_DTYPES = {
+    "BF16": (np.uint16, mx.bfloat16),  # numpy has no bfloat16: read the bits, view them in MLX
+    "F16": (np.float16, mx.float16),
+    "F32": (np.float32, mx.float32),
+    "U32": (np.uint32, mx.uint32),  # packed quantized weights
+}
+
+_DONTNEED = getattr(mmap, "MADV_DONTNEED", None)
+_MAX_HEADER = 100_000_000  # the safetensors format's own limit
+
+
+def read_safetensors_header(path: Path) -> tuple[dict, int]:
+    """The JSON header of a safetensors file and the offset where its data starts."""
+    path = Path(path)
+    try:
+        size = path.stat().st_size
+        with open(path, "rb") as f:
+            raw = f.read(8)
+            if len(raw) < 8:
+                raise CheckpointError(f"corrupt or truncated safetensors file {path}: shorter than its 8-byte header length")
+            (n,) = struct.unpack("<Q", raw)
+            if n > _MAX_HEADER or 8 + n > size:
+                raise CheckpointError(
+                    f"corrupt or truncated safetensors file {path}: header of {n} bytes, file of {size} bytes"
+                )
+            header = json.loads(f.read(n))
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise CheckpointError(f"corrupt safetensors file {path}: its header is not valid JSON ({e})") from None
+    if not isinstance(header, dict):
+        raise CheckpointError(f"corrupt safetensors file {path}: its header is not a JSON object")
+    return header, 8 + n
+
+
+class _MappedTensor:
+    """One 2-D tensor of a safetensors file, as a read-only numpy memmap."""
+
+    def __init__(self, path: Path, header: dict, data_start: int, key: str):
+        info = header.get(key)
+        if not isinstance(info, dict):
+            raise CheckpointError(f"{path} holds no tensor {key!r}")
+        try:
+            dtype, shape, (begin, end) = info["dtype"], [int(s) for s in info["shape"]], info["data_offsets"]
+        except (KeyError, TypeError, ValueError):
+            raise CheckpointError(f"corrupt safetensors file {path}: bad header entry for {key!r}") from None
+        if dtype not in _DTYPES:
+            raise ValueError(f"{key} in {path} has dtype {dtype}; a mapped table must be one of {sorted(_DTYPES)}")
+        if len(shape) != 2:
+            raise CheckpointError(f"{key} in {path} has shape {tuple(shape)}; a table must be 2-D")
+        self.np_dtype, self.mx_dtype = _DTYPES[dtype]
+        self.shape = tuple(shape)
+        nbytes = shape[0] * shape[1] * np.dtype(self.np_dtype).itemsize
+        if end - begin != nbytes or begin < 0:
+            raise CheckpointError(
+                f"corrupt safetensors file {path}: {key} spans {end - begin} bytes, "
+                f"its shape {tuple(shape)} and dtype {dtype} need {nbytes}"
+            )
+        size = path.stat().st_size
+        if data_start + end > size:
+            raise CheckpointError(
+                f"corrupt or truncated safetensors file {path}: {key} ends at byte {data_start + end}, "
+                f"the file has {size}"
+            )
+        self.array = np.memmap(path, dtype=self.np_dtype, mode="r", offset=data_start + begin, shape=self.shape)
+
+    def rows(self, idx: np.ndarray) -> mx.array:
+        """The rows ``idx`` (sorted, unique) as an MLX array of the tensor's dtype (only they are read)."""
+        rows = np.ascontiguousarray(self.array[idx])
+        self.release()
+        rows = mx.array(rows)
+        return rows.view(mx.bfloat16) if self.mx_dtype == mx.bfloat16 else rows
+
+    def release(self) -> None:
+        """Unmap the pages the last gather faulted in (they stay in the OS page cache, not in the process).
+
+        Recent kernels map whole large folios (up to MBs) on a fault, so without this each 8-16 KB row
+        read would leave a megabyte or more resident, and decoding would slowly map in the whole table.
+        Dropping the page-table entries of a read-only file mapping is cheap (~0.1 ms) and loses nothing.
+        """
+        mm = getattr(self.array, "_mmap", None)
+        if _DONTNEED is not None and mm is not None:
+            try:
+                mm.madvise(_DONTNEED)
+            except (OSError, ValueError):
+                pass
+
+
+class MappedEmbedding:
+    """An embedding table left on disk: ``emb(ids)`` gathers the rows of ``ids`` like ``nn.Embedding``.
+
+    ``path``: the safetensors file; ``key``: the table's name in it (``<key>`` for a plain table;
+    for an MLX-quantized table ``<name>.weight`` with ``<name>.scales`` and ``<name>.biases`` beside
+    it, in the affine format of ``mx.quantize``, and ``group_size``/``bits`` inferred from the shapes
+    when not given). ``dtype`` casts the gathered rows of a plain table (as ``load(dtype=...)`` casts
+    loaded weights; like there, a quantized table keeps its scales' dtype).
+
+    The lookup needs the token ids on the host (``np.asarray(ids)``), so it evaluates ``ids``: that
+    one sync is inherent to gathering from a file; nothing else in it waits on the device.
+    """
+
+    def __init__(
+        self,
+        path: str | Path,
+        key: str,
+        dtype: mx.Dtype | None = None,
+        group_size: int | None = None,
+        bits: int | None = None,
+        dims: int | None = None,
+    ):
+        self.path = Path(path)
+        self.key = key
+        if not self.path.is_file():
+            raise FileNotFoundError(f"no such safetensors file: {self.path}")
+        header, data_start = read_safetensors_header(self.path)
+        self.weight = _MappedTensor(self.path, header, data_start, key)
+        base = key[: -len(".weight")] if key.endswith(".weight") else None
+        self.quantized = base is not None and f"{base}.scales" in header
+        if self.quantized:
+            if self.weight.mx_dtype != mx.uint32:
+                raise ValueError(f"{key} in {self.path} has scales but is not packed uint32")
+            self.scales = _MappedTensor(self.path, header, data_start, f"{base}.scales")
+            if f"{base}.biases" not in header:
+                raise ValueError(f"{base} in {self.path} has no biases: only MLX's affine quantization can be mapped")
+            self.biases = _MappedTensor(self.path, header, data_start, f"{base}.biases")
+            rows, packed = self.weight.shape
+            groups = self.scales.shape[1]
+            if self.scales.shape[0] != rows or self.biases.shape != self.scales.shape:
+                raise CheckpointError(f"{base} in {self.path}: weight, scales and biases do not match in shape")
+            if dims is None:
+                if bits is not None:
+                    dims = packed * 32 // bits
+                elif group_size is not None:
+                    dims = groups * group_size
+                else:
+                    raise ValueError(f"{base} is quantized: pass bits, group_size or dims")
+            if bits is None:
+                bits = packed * 32 // dims
+            if group_size is None:
+                group_size = dims // groups
+            if packed * 32 != dims * bits or groups * group_size != dims:
+                raise CheckpointError(
+                    f"{base} in {self.path}: packed shape {self.weight.shape} and scales {self.scales.shape} "
+                    f"do not fit {dims} dims at {bits} bits, group size {group_size}"
+                )
+            self.group_size, self.bits = group_size, bits
+            self.dtype = self.scales.mx_dtype
+            self.shape = (rows, dims)
+        else:
+            if self.weight.mx_dtype == mx.uint32:
+                raise ValueError(f"{key} in {self.path} is uint32 without scales: not an embedding table")
+            if dims is not None and dims != self.weight.shape[1]:
+                raise CheckpointError(f"{key} in {self.path} has {self.weight.shape[1]} columns, expected {dims}")
+            self.shape = self.weight.shape
+            self.dtype = dtype if dtype is not None else self.weight.mx_dtype
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes the table occupies on disk (all of which stay there)."""
+        parts = [self.weight] + ([self.scales, self.biases] if self.quantized else [])
+        return sum(int(np.prod(p.shape)) * np.dtype(p.np_dtype).itemsize for p in parts)
+
+    def __call__(self, ids: mx.array) -> mx.array:
+        # Host sync: the rows to read depend on the ids' values, so they must be evaluated here.
+        host = np.asarray(ids)
+        if host.size == 0:
+            return mx.zeros((*host.shape, self.shape[1]), dtype=self.dtype)
+        flat = host.reshape(-1).astype(np.int64)
+        lo, hi = int(flat.min()), int(flat.max())
+        if lo < 0 or hi >= self.shape[0]:
+            raise ValueError(f"token id {hi if hi >= self.shape[0] else lo} is outside the table (0..{self.shape[0] - 1})")
+        unique, inverse = np.unique(flat, return_inverse=True)  # sorted: reads walk the file forward
+        if self.quantized:
+            rows = mx.dequantize(
+                self.weight.rows(unique),
+                scales=self.scales.rows(unique),
+                biases=self.biases.rows(unique),
+                group_size=self.group_size,
+                bits=self.bits,
+            )
+        else:
+            rows = self.weight.rows(unique)
+            if rows.dtype != self.dtype:
+                rows = rows.astype(self.dtype)
+        if len(unique) != len(flat) or not np.array_equal(unique, flat):
+            rows = mx.take(rows, mx.array(inverse.reshape(-1).astype(np.int32)), axis=0)
+        return rows.reshape(*host.shape, self.shape[1])
+
+    def __repr__(self) -> str:
+        q = f", {self.bits}-bit group {self.group_size}" if self.quantized else ""
+        return f"MappedEmbedding({self.path.name}:{self.key}, {self.shape[0]}x{self.shape[1]}, {self.dtype}{q})"
+
+
+def map_ple_table(
+    model_path: Path,
+    files: list[Path],
+    key_candidates: list[str] = PLE_KEYS,
+    dtype: mx.Dtype | None = None,
+    group_size: int | None = None,
+    bits: int | None = None,
+    dims: int | None = None,
+) -> MappedEmbedding | None:
+    """Map the PLE table of a checkpoint from whichever of ``files`` holds it (None if none does).
+
+    ``key_candidates`` are the table's possible names (``*.weight``); the first found is used.
+    """
+    for f in files:
+        f = Path(f)
+        if not f.is_absolute():
+            f = Path(model_path) / f
+        header, _ = read_safetensors_header(f)
+        for key in key_candidates:
+            if key in header:
+                return MappedEmbedding(f, key, dtype=dtype, group_size=group_size, bits=bits, dims=dims)
+    return None
+
+
+__all__ = ["MappedEmbedding", "map_ple_table", "read_safetensors_header", "PLE_KEYS"]
