@@ -9,7 +9,6 @@ truth is transformers 5.23's ``Gemma4AudioModel``; module and parameter names fo
 
 from __future__ import annotations
 
-import dataclasses
 import math
 from dataclasses import dataclass, field
 from typing import Any
@@ -19,6 +18,7 @@ import mlx.nn as nn
 import numpy as np
 from mlx.utils import tree_flatten
 
+from .config import split_known_keys
 from .multimodal import ClippableLinear, MultimodalEmbedder
 
 _ACTIVATIONS = {"silu": nn.silu, "swish": nn.silu, "gelu": nn.gelu, "gelu_pytorch_tanh": nn.gelu_approx, "relu": nn.relu}
@@ -49,11 +49,10 @@ class AudioConfig:
 
     @classmethod
     def from_dict(cls, raw: dict[str, Any]) -> "AudioConfig":
-        names = {f.name for f in dataclasses.fields(cls)} - {"extra"}
-        known = {k: v for k, v in raw.items() if k in names}
+        known, extra = split_known_keys(cls, raw)
         if "subsampling_conv_channels" in known:
             known["subsampling_conv_channels"] = list(known["subsampling_conv_channels"])
-        return cls(**known, extra={k: v for k, v in raw.items() if k not in names})
+        return cls(**known, extra=extra)
 
     @property
     def head_dim(self) -> int:

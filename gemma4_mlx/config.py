@@ -55,8 +55,9 @@ def _default_rope_parameters() -> dict[str, dict[str, Any]]:
     }
 
 
-def _split_known(cls, raw: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]:
-    names = {f.name for f in dataclasses.fields(cls)}
+def split_known_keys(cls, raw: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]:
+    """Split a config dict into the dataclass's fields and the rest (kept as ``extra``, not fatal)."""
+    names = {f.name for f in dataclasses.fields(cls)} - {"extra"}
     known = {k: v for k, v in raw.items() if k in names}
     extra = {k: v for k, v in raw.items() if k not in names}
     return known, extra
@@ -128,8 +129,7 @@ class TextConfig:
 
     @classmethod
     def from_dict(cls, raw: dict[str, Any]) -> "TextConfig":
-        known, extra = _split_known(cls, raw)
-        known.pop("extra", None)
+        known, extra = split_known_keys(cls, raw)
         return cls(**known, extra=extra)
 
     def _resolve_layers(self) -> list[LayerSpec]:

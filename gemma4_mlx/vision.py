@@ -7,7 +7,6 @@ parameter names follow it, so ``model.vision_tower.<name>`` in a checkpoint is `
 
 from __future__ import annotations
 
-import dataclasses
 import math
 from dataclasses import dataclass, field
 from typing import Any
@@ -16,6 +15,7 @@ import mlx.core as mx
 import mlx.nn as nn
 import numpy as np
 
+from .config import split_known_keys
 from .multimodal import ClippableLinear, MultimodalEmbedder
 
 _ACTIVATIONS = {"gelu_pytorch_tanh": nn.gelu_approx, "gelu": nn.gelu, "silu": nn.silu, "relu": nn.relu}
@@ -48,9 +48,8 @@ class VisionConfig:
 
     @classmethod
     def from_dict(cls, raw: dict[str, Any]) -> "VisionConfig":
-        names = {f.name for f in dataclasses.fields(cls)} - {"extra"}
-        known = {k: v for k, v in raw.items() if k in names}
-        return cls(**known, extra={k: v for k, v in raw.items() if k not in names})
+        known, extra = split_known_keys(cls, raw)
+        return cls(**known, extra=extra)
 
     @property
     def rope_theta(self) -> float:
