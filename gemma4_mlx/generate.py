@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import sys
+import threading
 import time
 import warnings
 from dataclasses import dataclass
@@ -20,7 +21,16 @@ from mlx_lm.sample_utils import make_logits_processors, make_sampler
 
 from .model import check_token_ids
 
-generation_stream = mx.new_stream(mx.default_device())
+_thread_streams = threading.local()
+
+
+def generation_stream() -> mx.Stream:
+    """This thread's stream for generation (MLX streams belong to the thread that made them)."""
+    stream = getattr(_thread_streams, "stream", None)
+    if stream is None:
+        stream = _thread_streams.stream = mx.new_stream(mx.default_device())
+    return stream
+
 
 # `python -m gemma4_mlx.generate` runs this file after the package has imported it (gemma4_mlx
 # re-exports generate/stream_generate), so runpy warns on every run of the command line. Running
@@ -107,16 +117,19 @@ def generate_tokens(
     prefill_step_size: int = 2048,
     prompt_progress: Callable[[int, int], Any] | None = None,
     inputs_embeds: mx.array | None = None,
+    history: mx.array | None = None,
 ) -> Generator[tuple[int, mx.array], None, None]:
     """Yield ``(token, logprobs)`` pairs: prefill ``prompt`` [L] into ``cache``, then decode.
 
     ``inputs_embeds`` [L, hidden] are the prompt's embeddings with media merged in (computed once by
-    ``model.embed_multimodal``); decode steps embed their tokens themselves.
+    ``model.embed_multimodal``); decode steps embed their tokens themselves. ``history`` is what the
+    logits processors see as the context before the first new token (default: ``prompt``), for
+    callers that prefilled part of the prompt themselves.
 
     The next token is computed asynchronously while the caller handles the current one, so the
     decode loop never waits on the host (the same pipelining as mlx-lm's ``generate_step``).
     """
-    history = prompt
+    history = prompt if history is None else history
 
     def step(tokens: mx.array, embeds: mx.array | None = None):
         nonlocal history
@@ -132,13 +145,14 @@ def generate_tokens(
 
     if max_tokens <= 0:
         return
-    with mx.stream(generation_stream):
+    stream = generation_stream()
+    with mx.stream(stream):
         last, last_embeds = prefill(model, prompt, cache, prefill_step_size, prompt_progress, inputs_embeds)
         token, logprobs = step(last, last_embeds)
         mx.async_eval(token, logprobs)
     for n in range(max_tokens):
         if n + 1 < max_tokens:
-            with mx.stream(generation_stream):
+            with mx.stream(stream):
                 next_token, next_logprobs = step(token)
                 mx.async_eval(next_token, next_logprobs)
         yield token.item(), logprobs

@@ -116,3 +116,45 @@ def media_token_ids() -> dict[str, int]:
     base = RESERVED
     names = ["boi_token_id", "eoi_token_id", "image_token_id", "boa_token_id", "eoa_token_index", "audio_token_id", "video_token_id"]
     return {name: base + i for i, name in enumerate(names)}
+
+
+# A small E2B-shaped model (per-layer embeddings, KV sharing, 4:1 sliding/full pattern) with tiny
+# vision and audio towers: big enough to exercise every code path of the app, small enough to build
+# in a second on a CPU.
+DEMO_TEXT = dict(
+    hidden_size=128, intermediate_size=256, num_hidden_layers=5, layer_types=["sliding_attention"] * 4 + ["full_attention"],
+    num_attention_heads=4, num_key_value_heads=1, head_dim=32, global_head_dim=64, sliding_window=64,
+    hidden_size_per_layer_input=16, num_kv_shared_layers=0, use_double_wide_mlp=False, final_logit_softcapping=30.0,
+    max_position_embeddings=8192, rms_norm_eps=1e-6, pad_token_id=0, bos_token_id=2, eos_token_id=1,
+)  # fmt: skip
+DEMO_VISION = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=2,
+                   head_dim=16, position_embedding_size=256)  # fmt: skip
+DEMO_AUDIO = dict(hidden_size=64, num_hidden_layers=1, num_attention_heads=4, subsampling_conv_channels=[128, 4], output_proj_dims=32)
+
+
+def build_demo_checkpoint(folder: str | Path, seed: int = 0) -> Path:
+    """Write a tiny random Gemma 4 checkpoint (text, vision, audio) with the tiny tokenizer.
+
+    It needs no download and no PyTorch: the weights come from our own modules' random init. Its
+    replies are gibberish; it exists so the app and scripts can be tried and tested anywhere.
+    """
+    import json
+
+    import mlx.core as mx
+    from mlx.utils import tree_flatten
+
+    from .config import ModelConfig
+    from .model import Gemma4Model
+
+    folder = Path(folder)
+    folder.mkdir(parents=True, exist_ok=True)
+    vocab = write_tokenizer(folder)
+    text = {**DEMO_TEXT, "vocab_size": vocab, "vocab_size_per_layer_input": vocab}
+    raw = {"model_type": "gemma4", "architectures": ["Gemma4ForConditionalGeneration"], "text_config": text,
+           "vision_config": DEMO_VISION, "audio_config": DEMO_AUDIO, "eos_token_id": [1, 106], **media_token_ids()}  # fmt: skip
+    mx.random.seed(seed)
+    model = Gemma4Model(ModelConfig.from_dict(raw))
+    weights = dict(tree_flatten(model.parameters()))
+    mx.save_safetensors(str(folder / "model.safetensors"), weights, metadata={"format": "mlx"})
+    (folder / "config.json").write_text(json.dumps(raw, indent=2))
+    return folder

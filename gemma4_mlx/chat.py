@@ -1,0 +1,348 @@
+"""Multi-turn chat with prefix reuse: the engine behind ``python -m app``, importable on its own.
+
+    chat = gemma4_mlx.Chat.load("google/gemma-4-E2B-it", system="Be brief.")
+    print(chat.ask("What is MLX?"))
+    for chunk in chat.send("And what is a KV cache?", images=["diagram.png"]):
+        print(chunk.text, end="", flush=True)
+
+:class:`ChatEngine` turns a whole conversation (a list of messages) into a streamed reply. Each turn
+it renders the conversation with the chat template and reuses the KV cache of the prefix it has
+already seen (:mod:`gemma4_mlx.prompt_cache`), so a new turn only prefills the new tokens; the
+media encoders run only on media in that new part. :class:`Chat` keeps the messages for you.
+"""
+
+from __future__ import annotations
+
+import copy
+import queue
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Any, Callable, Iterator
+
+import mlx.core as mx
+import numpy as np
+from mlx_lm.sample_utils import make_logits_processors, make_sampler
+
+from .generate import ContextLengthError, generate_tokens, generation_stream, prefill
+from .model import check_token_ids
+from .prompt_cache import PromptCache
+from .reply import Reply, ReplySplitter
+
+MEDIA_ARRAYS = {  # placeholder-token config field -> the processor outputs holding one row per item
+    "image_token_id": ("pixel_values", "image_position_ids"),
+    "video_token_id": ("pixel_values_videos", "video_position_ids"),
+    "audio_token_id": ("input_features", "input_features_mask"),
+}
+
+
+@dataclass
+class ReplyStats:
+    prompt_tokens: int = 0  # the whole rendered conversation
+    reused_tokens: int = 0  # of which came from the cache
+    time_to_first_token: float = 0.0  # seconds, from the call to the first new token
+    prompt_tps: float = 0.0  # prefilled (not reused) tokens per second
+    generation_tokens: int = 0
+    generation_tps: float = 0.0
+    peak_memory: float = 0.0  # GB (MLX's peak allocation during the reply)
+
+    def summary(self) -> str:
+        return (
+            f"{self.time_to_first_token:.2f} s to first token · prompt {self.prompt_tokens} tokens "
+            f"({self.reused_tokens} reused), {self.prompt_tps:.1f} tok/s · {self.generation_tokens} tokens, "
+            f"{self.generation_tps:.1f} tok/s · peak {self.peak_memory:.2f} GB"
+        )
+
+
+@dataclass
+class ChatChunk:
+    """One streamed step of a reply."""
+
+    text: str  # new text (may be empty)
+    part: str  # "answer", "thinking" or "tool_call" (see gemma4_mlx.reply)
+    reply: Reply  # the reply so far
+    stats: ReplyStats = field(default_factory=ReplyStats)
+    finish_reason: str | None = None  # "stop", "length", "tool_call" or "stopped" (cancelled)
+
+
+class ChatEngine:
+    """Streams replies to conversations, reusing the KV cache of their common prefix."""
+
+    def __init__(self, model, processor, max_snapshots: int = 2):
+        self.model = model
+        self.processor = processor
+        self.prompt_cache = PromptCache(model, max_snapshots)
+        self._turn_start_id = processor.tokenizer.convert_tokens_to_ids("<|turn>")
+        # MLX streams and in-flight arrays belong to a thread, and servers such as Gradio call each
+        # step of a generator from whichever worker thread is free: all model work therefore runs
+        # on one thread of ours, one reply at a time (the cache is shared), fed through a queue.
+        self._jobs: queue.Queue = queue.Queue()
+        self._worker: threading.Thread | None = None
+
+    def stream(
+        self,
+        messages: list[dict[str, Any]],
+        *,
+        max_tokens: int = 1024,
+        temperature: float = 0.0,
+        top_p: float = 1.0,
+        top_k: int = 0,
+        min_p: float = 0.0,
+        repetition_penalty: float | None = None,
+        seed: int | None = None,
+        enable_thinking: bool = False,
+        tools: list[dict] | None = None,
+        max_soft_tokens: int | None = None,
+        reuse: bool = True,
+        stop_event: threading.Event | None = None,
+        prefill_step_size: int = 2048,
+        sampler: Callable[[mx.array], mx.array] | None = None,
+    ) -> Iterator[ChatChunk]:
+        """Stream the model's reply to ``messages`` (HF-style chat messages; content lists may hold
+        ``{"type": "image" | "audio" | "video", "path": ...}`` items). Setting ``stop_event`` (or
+        closing the iterator) stops generation after the current token. ``sampler`` replaces the one
+        made from temperature/top-p/top-k/min-p (mlx-lm's ``make_sampler``)."""
+        stop_event = stop_event or threading.Event()
+        args = (messages, max_tokens, temperature, top_p, top_k, min_p, repetition_penalty, seed,
+                enable_thinking, tools, max_soft_tokens, reuse, stop_event, prefill_step_size, sampler)  # fmt: skip
+        out: queue.Queue = queue.Queue()
+
+        def job():
+            try:
+                for chunk in self._stream(*args):
+                    out.put(chunk)
+            except BaseException as e:  # handed to the caller's thread
+                out.put(_Failure(e))
+            finally:
+                out.put(_DONE)
+
+        self._submit(job)
+        finished = False
+        try:
+            while True:
+                item = out.get()
+                if item is _DONE:
+                    finished = True
+                    return
+                if isinstance(item, _Failure):
+                    finished = True
+                    raise item.error
+                yield item
+        finally:
+            if not finished:
+                stop_event.set()  # the caller went away: stop generating
+
+    def _submit(self, job) -> None:
+        if self._worker is None or not self._worker.is_alive():
+            self._worker = threading.Thread(target=self._work, name="gemma4-chat-engine", daemon=True)
+            self._worker.start()
+        self._jobs.put(job)
+
+    def _work(self) -> None:
+        while True:
+            self._jobs.get()()
+
+    def _stream(self, messages, max_tokens, temperature, top_p, top_k, min_p, repetition_penalty, seed,
+                enable_thinking, tools, max_soft_tokens, reuse, stop_event, prefill_step_size, sampler):  # fmt: skip
+        tic = time.perf_counter()
+        template = {"tools": tools} if tools else {}
+        inputs = self.processor.prepare(messages, enable_thinking=enable_thinking, max_soft_tokens=max_soft_tokens, **template)
+        ids = inputs.pop("input_ids")[0].tolist()
+        check_token_ids(self.model.text_token_ids(mx.array(ids)), self.model.text_config.vocab_size)
+        context = self.model.text_config.max_position_embeddings
+        if len(ids) >= context:
+            raise ContextLengthError(f"the conversation is {len(ids)} tokens long; the model's context is {context} tokens")
+        max_tokens = min(max_tokens, context - len(ids))
+        # Snapshot points: where the last user turn and the generation prompt begin. Regenerating
+        # or editing the last message rewinds to one of them, and so does the next turn when the
+        # template renders the reply differently from how it was generated.
+        turn_starts = [i for i, t in enumerate(ids) if t == self._turn_start_id]
+        snapshot_points = set(turn_starts[-2:])
+
+        pc = self.prompt_cache
+        if not reuse:
+            pc.reset()
+        try:
+            start = pc.reuse(ids)
+            embeds = self._embed_new_part(ids, start, inputs)
+            if seed is not None:
+                mx.random.seed(seed)
+            sampler = sampler or make_sampler(temp=temperature, top_p=top_p, min_p=min_p, top_k=top_k)
+            processors = make_logits_processors(repetition_penalty=repetition_penalty)
+            mx.reset_peak_memory()
+            with mx.stream(generation_stream()):
+                position = start
+                for end in sorted(p for p in snapshot_points | {len(ids) - 1} if p > position):
+                    # prefill() runs all but the last token it is given.
+                    part_embeds = None if embeds is None else embeds[position - start : end - start + 1]
+                    prefill(self.model, mx.array(ids[position : end + 1]), pc.cache, prefill_step_size, inputs_embeds=part_embeds)
+                    position = end
+                    pc.ids = ids[:end]
+                    if end in snapshot_points:
+                        pc.snapshot()
+            last_embeds = None if embeds is None else embeds[len(ids) - 1 - start :]
+        except BaseException:
+            pc.reset()  # a half-filled cache must not be reused
+            raise
+        yield from self._decode(ids, start, last_embeds, max_tokens, sampler, processors, stop_event, tic)
+
+    def _decode(self, ids, start, last_embeds, max_tokens, sampler, processors, stop_event, tic) -> Iterator[ChatChunk]:
+        pc = self.prompt_cache
+        tool_response = self._tool_response_ids()
+        eos = set(self.processor.eos_token_ids) | tool_response
+        splitter = ReplySplitter(self.processor)
+        stats = ReplyStats(prompt_tokens=len(ids), reused_tokens=start)
+        generated: list[int] = []
+        tokens = generate_tokens(
+            self.model, mx.array(ids[-1:]), pc.cache, max_tokens, sampler, processors,
+            inputs_embeds=last_embeds, history=mx.array(ids),
+        )  # fmt: skip
+        try:
+            for n, (token, _) in enumerate(tokens, start=1):
+                now = time.perf_counter()
+                if n == 1:
+                    gen_tic = now
+                    stats.time_to_first_token = now - tic
+                    stats.prompt_tps = (len(ids) - start) / stats.time_to_first_token
+                generated.append(token)
+                stats.generation_tokens = n
+                stats.generation_tps = (n - 1) / (now - gen_tic) if n > 1 and now > gen_tic else 0.0
+                stats.peak_memory = mx.get_peak_memory() / 1e9
+                finish = None
+                pieces = []
+                if token in eos:
+                    finish = "tool_call" if token in tool_response or splitter.reply.tool_calls else "stop"
+                else:
+                    pieces.append(splitter.add(token))
+                    if n == max_tokens:
+                        finish = "length"
+                    elif stop_event is not None and stop_event.is_set():
+                        finish = "stopped"
+                if finish:
+                    pieces.append(splitter.finish())
+                pieces = [p for p in pieces if p[1]] or [(splitter.part, "")]
+                for i, (part, text) in enumerate(pieces):
+                    # Copies: the caller reads them on another thread while this one goes on.
+                    yield ChatChunk(text, part, _copy_reply(splitter.reply), copy.copy(stats), finish if i == len(pieces) - 1 else None)
+                if finish:
+                    break
+        finally:
+            tokens.close()
+            # The decode loop runs one step ahead: the cache holds the prompt and every token fed so far.
+            pc.ids = (ids + generated)[: pc.offset]
+
+    def _embed_new_part(self, ids: list[int], start: int, inputs: dict) -> mx.array | None:
+        """Embeddings of ``ids[start:]`` with the soft tokens of the media in that part (None when
+        that part has no media); media before ``start`` are already in the cache and not encoded."""
+        cfg = self.model.config
+        tail = np.array(ids[start:])
+        media = {}
+        for field_name, arrays in MEDIA_ARRAYS.items():
+            token_id = getattr(cfg, field_name, None)
+            if token_id is None or inputs.get(arrays[0]) is None or not (tail == token_id).any():
+                continue
+            # Items whose placeholder runs begin before `start` (never cut: the cache only rewinds
+            # to message boundaries) are skipped; each item is one run of its placeholder token.
+            done = _count_runs(np.array(ids[:start]) == token_id)
+            for name in arrays:
+                media[name] = inputs[name][done:]
+        if not media:
+            return None
+        return self.model.embed_multimodal(mx.array(ids[start:]), **media)[0]
+
+    def _tool_response_ids(self) -> set[int]:
+        tok = self.processor.tokenizer
+        i = tok.convert_tokens_to_ids("<|tool_response>")
+        return {i} if isinstance(i, int) and i != tok.unk_token_id else set()
+
+
+def _copy_reply(reply: Reply) -> Reply:
+    return Reply(reply.thinking, reply.content, list(reply.tool_calls))
+
+
+@dataclass
+class _Failure:
+    error: BaseException
+
+
+_DONE = object()
+
+
+def _count_runs(mask: np.ndarray) -> int:
+    if mask.size == 0:
+        return 0
+    return int(mask[0]) + int(np.count_nonzero(mask[1:] & ~mask[:-1]))
+
+
+class Chat:
+    """A conversation: keeps the messages and streams replies through a :class:`ChatEngine`.
+
+    ``send`` adds a user turn and streams the reply; ``ask`` returns it whole. ``regenerate``,
+    ``undo`` and ``reset`` edit the conversation; generation options given to the constructor
+    (``temperature``, ``max_tokens``, ``enable_thinking``, ``tools``, ...) apply to every turn and
+    can be overridden per call.
+    """
+
+    def __init__(self, model, processor, system: str | None = None, engine: ChatEngine | None = None, **options):
+        self.engine = engine or ChatEngine(model, processor)
+        self.system = system
+        self.messages: list[dict[str, Any]] = []
+        self.options = options
+        self.last_stats: ReplyStats | None = None
+        self.last_reply: Reply | None = None
+
+    @classmethod
+    def load(cls, path_or_repo: str, system: str | None = None, **options) -> "Chat":
+        """Load a model (see :func:`gemma4_mlx.load`) and start a conversation with it."""
+        from .loading import load
+
+        model, processor = load(path_or_repo)
+        return cls(model, processor, system=system, **options)
+
+    def _conversation(self) -> list[dict[str, Any]]:
+        return ([{"role": "system", "content": self.system}] if self.system else []) + self.messages
+
+    def send(self, text: str = "", images=(), audio=(), videos=(), **options) -> Iterator[ChatChunk]:
+        """Add a user message (text and media files) and stream the reply."""
+        content: list[dict[str, Any]] = [{"type": "image", "path": str(p)} for p in images]
+        content += [{"type": "audio", "path": str(p)} for p in audio] + [{"type": "video", "path": str(p)} for p in videos]
+        message = {"role": "user", "content": content + [{"type": "text", "text": text}] if content else text}
+        self.messages.append(message)
+        try:
+            yield from self._reply(**options)
+        except BaseException:
+            if self.messages and self.messages[-1] is message:
+                self.messages.pop()  # a turn that failed before any reply leaves no trace
+            raise
+
+    def ask(self, text: str = "", **kwargs) -> str:
+        """Like :meth:`send`, returning the whole answer (reasoning excluded)."""
+        for _ in self.send(text, **kwargs):
+            pass
+        return self.last_reply.content if self.last_reply else ""
+
+    def regenerate(self, **options) -> Iterator[ChatChunk]:
+        """Drop the last reply and stream a new one."""
+        if self.messages and self.messages[-1]["role"] == "assistant":
+            self.messages.pop()
+        if not self.messages:
+            raise ValueError("nothing to regenerate: the conversation is empty")
+        yield from self._reply(**options)
+
+    def undo(self) -> None:
+        """Remove the last exchange (the last user message and the reply to it)."""
+        while self.messages and self.messages[-1]["role"] != "user":
+            self.messages.pop()
+        if self.messages:
+            self.messages.pop()
+
+    def reset(self) -> None:
+        self.messages.clear()
+
+    def _reply(self, **options) -> Iterator[ChatChunk]:
+        chunk = None
+        for chunk in self.engine.stream(self._conversation(), **{**self.options, **options}):
+            yield chunk
+        if chunk is not None:
+            self.last_reply, self.last_stats = chunk.reply, chunk.stats
+            self.messages.append(chunk.reply.as_message())

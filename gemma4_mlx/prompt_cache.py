@@ -1,0 +1,95 @@
+"""Reusing a conversation's KV cache across turns, so a new turn only prefills what is new.
+
+The cache remembers the token ids it holds. A new prompt is compared with them: where the cache is
+a prefix of the new prompt, prefill continues from its end. Where the two diverge (a regenerated
+reply, an edited message, reasoning that the chat template strips from earlier turns), the cache
+must be rewound. Full-attention caches (``KVCache``) can be trimmed to any length, but the
+sliding-window ones are ring buffers that overwrite their oldest tokens, so once wrapped they cannot
+be trimmed. We therefore keep *snapshots*: copies of the sliding-window caches (window x KV heads x
+head dim each, small next to the weights) taken at message boundaries, and rewind to the latest
+snapshot at or before the divergence point.
+"""
+
+from __future__ import annotations
+
+import copy
+
+import mlx.core as mx
+from mlx_lm.models.cache import KVCache
+
+
+def common_prefix_length(a: list[int], b: list[int]) -> int:
+    n = min(len(a), len(b))
+    for i in range(n):
+        if a[i] != b[i]:
+            return i
+    return n
+
+
+class PromptCache:
+    """A model's KV cache, the token ids it holds, and snapshots to rewind it."""
+
+    def __init__(self, model, max_snapshots: int = 2):
+        self.model = model
+        self.max_snapshots = max_snapshots
+        self.reset()
+
+    def reset(self) -> None:
+        self.cache = self.model.make_cache()
+        self.ids: list[int] = []
+        self.snapshots: dict[int, list] = {}
+
+    @property
+    def offset(self) -> int:
+        return self.cache[0].offset if self.cache else len(self.ids)
+
+    def reuse(self, ids: list[int]) -> int:
+        """Prepare the cache for the prompt ``ids``; returns how many of its tokens it already holds.
+
+        At least the last token is always left to run, since its logits give the first new token.
+        """
+        usable = min(common_prefix_length(self.ids, ids), len(ids) - 1)
+        if usable == len(self.ids):
+            return usable
+        points = [p for p in self.snapshots if p <= usable]
+        if not points:
+            self.reset()
+            return 0
+        self._restore(max(points))
+        return len(self.ids)
+
+    def snapshot(self) -> None:
+        """Remember the cache as it is now (at ``len(self.ids)`` tokens)."""
+        position = self.offset
+        saved = []
+        for c in self.cache:
+            if isinstance(c, KVCache):
+                saved.append(None)  # trimmed back on restore
+            else:
+                s = copy.copy(c)
+                # A copy, not a reference: caches update their buffers in place.
+                s.keys, s.values = (None, None) if c.keys is None else (mx.array(c.keys), mx.array(c.values))
+                saved.append(s)
+        mx.eval([s.keys for s in saved if s is not None and s.keys is not None])
+        self.snapshots[position] = saved
+        while len(self.snapshots) > self.max_snapshots:
+            del self.snapshots[min(self.snapshots)]
+
+    def _restore(self, position: int) -> None:
+        saved = self.snapshots[position]
+        for i, (c, s) in enumerate(zip(self.cache, saved)):
+            if s is None:
+                c.trim(c.offset - position)
+            else:
+                restored = copy.copy(s)
+                restored.keys, restored.values = (None, None) if s.keys is None else (mx.array(s.keys), mx.array(s.values))
+                self.cache[i] = restored
+        self.ids = self.ids[:position]
+        self.snapshots = {p: v for p, v in self.snapshots.items() if p <= position}
+
+    def nbytes(self) -> int:
+        """Bytes held by the cache and its snapshots."""
+        total = sum(c.nbytes for c in self.cache if c.keys is not None)
+        for saved in self.snapshots.values():
+            total += sum(s.keys.nbytes + s.values.nbytes for s in saved if s is not None and s.keys is not None)
+        return total

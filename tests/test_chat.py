@@ -1,0 +1,224 @@
+"""The chat engine: prefix reuse across turns (greedy replies identical with and without reuse,
+sliding-window caches wrapped), media in later turns, reply splitting and the Chat API."""
+
+import threading
+
+import mlx.core as mx
+import numpy as np
+import pytest
+import soundfile as sf
+from checkpoints import build_hf_model, save_checkpoint
+from PIL import Image
+from test_multimodal import AUDIO, LARGE_VIT, SMALL_VIT
+
+import gemma4_mlx
+from gemma4_mlx.chat import Chat, ChatEngine
+from gemma4_mlx.generate import ContextLengthError
+from gemma4_mlx.prompt_cache import PromptCache, common_prefix_length
+from gemma4_mlx.reply import ReplySplitter, parse_tool_call
+
+TURNS = ["hello model, tell me about the water", "and what about the people of the world", "write one more word", "why"]
+
+
+@pytest.fixture(scope="module", params=["e2b", "moe26b", "dense31b"])
+def family_model(request, tmp_path_factory):
+    # Small windows (8/8/16 tokens) so that every conversation wraps the sliding-window caches.
+    towers = {"e2b": dict(vision_config=SMALL_VIT, audio_config=AUDIO)}.get(request.param, dict(vision_config=LARGE_VIT))
+    hf = build_hf_model(request.param, **towers)
+    path = save_checkpoint(hf, tmp_path_factory.mktemp(request.param))
+    return gemma4_mlx.load(path)
+
+
+def _converse(engine: ChatEngine, turns, reuse: bool, **options):
+    template = {k: v for k, v in options.items() if k == "enable_thinking"}
+    messages, replies, stats = [], [], []
+    for turn in turns:
+        # What this turn must at least reuse: the conversation before the previous reply.
+        history = engine.processor.apply_chat_template(messages[:-1], add_generation_prompt=False, **template) if messages else ""
+        engine.history_tokens = len(engine.processor.encode(history, add_special_tokens=False)) if history else 0
+        messages.append({"role": "user", "content": turn})
+        chunks = list(engine.stream(messages, max_tokens=6, temperature=0.0, reuse=reuse, **options))
+        reply = chunks[-1].reply
+        replies.append((reply.content, chunks[-1].finish_reason))
+        stats.append(chunks[-1].stats)
+        stats[-1].history_tokens = engine.history_tokens
+        messages.append(reply.as_message())
+    return replies, stats
+
+
+@pytest.mark.parametrize("thinking", [False, True])
+def test_reuse_gives_the_same_replies(family_model, thinking):
+    model, processor = family_model
+    with_reuse, stats = _converse(ChatEngine(model, processor), TURNS, reuse=True, enable_thinking=thinking)
+    without, fresh_stats = _converse(ChatEngine(model, processor), TURNS, reuse=False, enable_thinking=thinking)
+    assert with_reuse == without
+    assert all(s.reused_tokens == 0 for s in fresh_stats)
+    # Every later turn reuses the conversation up to the previous reply (which the template may
+    # render differently from how it was generated: the 31B-style template drops the empty
+    # reasoning channel), so only the last reply and the new message are prefilled.
+    for s in stats[1:]:
+        assert s.reused_tokens >= s.history_tokens - 1 > 0
+    assert stats[-1].prompt_tokens > 3 * model.text_config.sliding_window  # the ring buffers wrapped
+
+
+def test_regenerate_and_edit_rewind_through_snapshots(family_model):
+    model, processor = family_model
+    engine = ChatEngine(model, processor)
+    messages = [{"role": "user", "content": TURNS[0]}]
+    first = list(engine.stream(messages, max_tokens=6))[-1]
+    messages += [first.reply.as_message(), {"role": "user", "content": TURNS[1]}]
+    second = list(engine.stream(messages, max_tokens=6))[-1]
+    again = list(engine.stream(messages, max_tokens=6))[-1]  # regenerate: same prompt
+    assert again.reply.content == second.reply.content
+    generation_prompt = processor.encode(processor.apply_chat_template([{"role": "user", "content": ""}]).split("<turn|>")[-1], add_special_tokens=False)
+    assert again.stats.reused_tokens >= again.stats.prompt_tokens - len(generation_prompt) - 1
+    messages[-1] = {"role": "user", "content": TURNS[2]}  # edit the last message
+    edited = list(engine.stream(messages, max_tokens=6))[-1]
+    fresh = list(ChatEngine(model, processor).stream(messages, max_tokens=6))[-1]
+    assert edited.reply.content == fresh.reply.content
+    assert edited.stats.reused_tokens > 0
+
+
+def test_reuse_matches_stream_generate(family_model):
+    model, processor = family_model
+    messages = [{"role": "user", "content": TURNS[0]}]
+    expected = gemma4_mlx.generate(model, processor, messages, max_tokens=6)
+    got = list(ChatEngine(model, processor).stream(messages, max_tokens=6))[-1]
+    assert got.reply.content == expected.strip() or expected.startswith(got.reply.content)
+
+
+def _image(path, seed):
+    Image.fromarray(np.random.default_rng(seed).integers(0, 256, (40, 56, 3), dtype=np.uint8)).save(path)
+    return str(path)
+
+
+def test_media_in_later_turns(family_model, tmp_path):
+    model, processor = family_model
+    if not model.has_vision:
+        pytest.skip("this family's test checkpoint has no vision tower (text-only by design)")
+    turns = [
+        [{"type": "text", "text": "hello"}],
+        [{"type": "image", "path": _image(tmp_path / "a.png", 1)}, {"type": "text", "text": "what is this"}],
+        [{"type": "image", "path": _image(tmp_path / "b.png", 2)}, {"type": "text", "text": "and this"}],
+    ]
+    if model.has_audio:
+        wav = tmp_path / "tone.wav"
+        sf.write(wav, (0.3 * np.sin(np.arange(8000) / 16000 * 2 * np.pi * 440)).astype(np.float32), 16000)
+        turns.append([{"type": "audio", "path": str(wav)}, {"type": "text", "text": "and listen"}])
+    with_reuse, stats = _converse(ChatEngine(model, processor), turns, reuse=True, max_soft_tokens=70)
+    without, _ = _converse(ChatEngine(model, processor), turns, reuse=False, max_soft_tokens=70)
+    assert with_reuse == without
+    assert all(s.reused_tokens > 0 for s in stats[1:])
+
+
+def test_context_overflow_leaves_the_cache_usable(family_model):
+    model, processor = family_model
+    engine = ChatEngine(model, processor)
+    messages = [{"role": "user", "content": TURNS[0]}]
+    first = list(engine.stream(messages, max_tokens=4))[-1]
+    with pytest.raises(ContextLengthError):
+        list(engine.stream([{"role": "user", "content": "word " * 5000}], max_tokens=4))
+    again = list(engine.stream(messages, max_tokens=4))[-1]
+    assert again.reply.content == first.reply.content
+
+
+def test_stop_event_stops_generation(family_model):
+    model, processor = family_model
+    engine = ChatEngine(model, processor)
+    stop = threading.Event()
+    chunks = []
+    for chunk in engine.stream([{"role": "user", "content": "hi"}], max_tokens=500, temperature=1.0, seed=0, stop_event=stop):
+        chunks.append(chunk)
+        if len(chunks) == 3:
+            stop.set()
+    assert chunks[-1].finish_reason == "stopped"
+    assert chunks[-1].stats.generation_tokens <= 4
+    # The engine goes on working after a stop, and closing a stream early is a stop too.
+    stream = engine.stream([{"role": "user", "content": "hi"}], max_tokens=500, temperature=1.0, seed=0)
+    next(stream)
+    stream.close()
+    assert list(engine.stream([{"role": "user", "content": "hi"}], max_tokens=3))[-1].finish_reason in ("length", "stop")
+
+
+def test_chat_api(family_model):
+    model, processor = family_model
+    chat = Chat(model, processor, system="be brief", max_tokens=5)
+    a = chat.ask("hello")
+    b = chat.ask("and again")
+    assert len(chat.messages) == 4 and chat.messages[-1]["content"] == b.strip()
+    assert chat.last_stats.reused_tokens > 0
+    regenerated = "".join(c.text for c in chat.regenerate())
+    assert regenerated.strip() == b.strip()  # greedy
+    chat.undo()
+    assert len(chat.messages) == 2 and chat.messages[-1]["content"] == a.strip()
+    with pytest.raises(gemma4_mlx.multimodal.MediaError):
+        chat.ask("look", images=["/nonexistent/picture.png"])
+    assert len(chat.messages) == 2  # a failed turn leaves no trace
+    chat.reset()
+    assert chat.messages == []
+
+
+# ---------------------------------------------------------------------------- reply splitting
+def test_reply_splitter_separates_reasoning_answer_and_tool_calls(family_model):
+    _, processor = family_model
+    text = '<|channel>thought\nthe user wants weather<channel|>Let me check.<|tool_call>call:get_weather{city:<|"|>Paris, FR<|"|>,days:3,units:{metric:true},tags:[<|"|>a<|"|>,2.5]}<tool_call|>'
+    ids = processor.encode(text, add_special_tokens=False)
+    splitter = ReplySplitter(processor)
+    parts: dict[str, str] = {}
+    for token in ids:
+        part, piece = splitter.add(token)
+        parts[part] = parts.get(part, "") + piece
+    splitter.finish()
+    reply = splitter.reply
+    assert reply.thinking == "the user wants weather" == parts["thinking"]
+    assert reply.content == "Let me check." == parts["answer"]
+    assert [c.name for c in reply.tool_calls] == ["get_weather"]
+    assert reply.tool_calls[0].arguments == {"city": "Paris, FR", "days": 3, "units": {"metric": True}, "tags": ["a", 2.5]}
+    message = reply.as_message()
+    assert message["tool_calls"][0]["function"]["arguments"]["city"] == "Paris, FR"
+    # The template renders the call back in Gemma's syntax.
+    rendered = processor.apply_chat_template([{"role": "user", "content": "hi"}, message], add_generation_prompt=False)
+    assert "<|tool_call>call:get_weather{" in rendered and 'city:<|"|>Paris, FR<|"|>' in rendered
+
+
+def test_parse_tool_call_edge_cases():
+    assert parse_tool_call("call:noargs{}").arguments == {}
+    assert parse_tool_call("call:f").name == "f"
+    broken = parse_tool_call("call:f{a:<|\"|>unterminated")
+    assert broken.name == "f" and broken.arguments == {} and "unterminated" in broken.raw
+    assert parse_tool_call('call:f{"<|"|>k<|"|>":1}'.replace('"<|"|>k<|"|>"', '<|"|>k<|"|>')).arguments == {"k": 1}
+    assert parse_tool_call("call:f{x:-2,y:1e3,z:null,w:word}").arguments == {"x": -2, "y": 1000.0, "z": None, "w": "word"}
+
+
+def test_scripted_reply_streams_parts_in_order(family_model):
+    """A sampler that plays back a fixed reply drives the whole engine through reasoning, answer and a tool call."""
+    model, processor = family_model
+    script = processor.encode("<|channel>thought\nhmm<channel|>Sure.<|tool_call>call:f{a:1}<tool_call|>", add_special_tokens=False)
+    end = processor.tokenizer.convert_tokens_to_ids("<turn|>")
+    it = iter(script)
+    sampler = lambda logprobs: mx.array([next(it, end)])  # noqa: E731 (the loop samples one token ahead)
+    chunks = list(ChatEngine(model, processor).stream([{"role": "user", "content": "hi"}], sampler=sampler, max_tokens=100))
+    order = [c.part for c in chunks if c.text]
+    assert order.index("thinking") < order.index("answer")
+    last = chunks[-1]
+    assert last.finish_reason == "tool_call"
+    assert last.reply.thinking == "hmm" and last.reply.content == "Sure."
+    assert last.reply.tool_calls[0].name == "f" and last.reply.tool_calls[0].arguments == {"a": 1}
+
+
+def test_prompt_cache_snapshot_is_a_copy(family_model):
+    model, _ = family_model
+    pc = PromptCache(model)
+    ids = list(range(5, 40))
+    model(mx.array([ids[:20]]), cache=pc.cache)
+    pc.ids = ids[:20]
+    pc.snapshot()
+    model(mx.array([ids[20:]]), cache=pc.cache)
+    pc.ids = ids
+    assert pc.reuse(ids[:20] + [7, 8, 9]) == 20
+    fresh = model.make_cache()
+    a = model(mx.array([[7, 8, 9]]), cache=pc.cache)
+    model(mx.array([ids[:20]]), cache=fresh)
+    b = model(mx.array([[7, 8, 9]]), cache=fresh)
+    assert mx.allclose(a, b, atol=1e-5).item()
+    assert common_prefix_length([1, 2, 3], [1, 2, 4]) == 2
