@@ -6,6 +6,7 @@
         print(chunk.text, end="", flush=True)
 """
 
+from .chat import Chat, ChatEngine
 from .config import LayerSpec, ModelConfig, TextConfig, UnsupportedModelError
 from .generate import ContextLengthError, GenerationChunk, generate, stream_generate
 from .loading import CheckpointError, load, load_model
@@ -16,6 +17,8 @@ __version__ = "0.1.0"
 
 __all__ = [
     "load",
+    "Chat",
+    "ChatEngine",
     "load_model",
     "generate",
     "stream_generate",

@@ -119,15 +119,25 @@ class ChatEngine:
         self._submit(job)
         finished = False
         try:
+            pending: list = []
             while True:
-                item = out.get()
-                if item is _DONE:
+                pending.append(out.get())
+                # Whatever else is ready joins in: a slow consumer (a page updating per chunk)
+                # gets fewer, bigger chunks instead of falling behind the model.
+                while pending[-1] is not _DONE and not isinstance(pending[-1], _Failure):
+                    try:
+                        pending.append(out.get_nowait())
+                    except queue.Empty:
+                        break
+                end = pending[-1] if pending[-1] is _DONE or isinstance(pending[-1], _Failure) else None
+                chunks = pending[:-1] if end is not None else pending
+                pending = []
+                yield from _merge(chunks)
+                if end is not None:
                     finished = True
+                    if isinstance(end, _Failure):
+                        raise end.error
                     return
-                if isinstance(item, _Failure):
-                    finished = True
-                    raise item.error
-                yield item
         finally:
             if not finished:
                 stop_event.set()  # the caller went away: stop generating
@@ -254,6 +264,18 @@ class ChatEngine:
         tok = self.processor.tokenizer
         i = tok.convert_tokens_to_ids("<|tool_response>")
         return {i} if isinstance(i, int) and i != tok.unk_token_id else set()
+
+
+def _merge(chunks: list[ChatChunk]) -> list[ChatChunk]:
+    """Consecutive chunks of the same part as one (the latest reply, stats and finish reason)."""
+    merged: list[ChatChunk] = []
+    for c in chunks:
+        if merged and merged[-1].part == c.part and merged[-1].finish_reason is None:
+            c = ChatChunk(merged[-1].text + c.text, c.part, c.reply, c.stats, c.finish_reason)
+            merged[-1] = c
+        else:
+            merged.append(c)
+    return merged
 
 
 def _copy_reply(reply: Reply) -> Reply:

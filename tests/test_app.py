@@ -1,0 +1,226 @@
+"""The Gradio app, driven over HTTP with gradio_client (and in headless Chromium, see
+test_app_browser.py) against the tiny random demo model."""
+
+import functools
+import json
+import socket
+import time
+
+import mlx.core as mx
+import numpy as np
+import pytest
+import soundfile as sf
+from gradio_client import Client, handle_file
+from PIL import Image
+
+from app.backend import ERROR_TITLE, STATS_TITLE, ModelHolder, media_kind, to_markdown, to_model_messages, unsupported_media
+from app.ui import build_app
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def launch(holder: ModelHolder):
+    app = build_app(holder)
+    port = free_port()
+    app.queue().launch(server_name="127.0.0.1", server_port=port, prevent_thread_lock=True, quiet=True)
+    return app, f"http://127.0.0.1:{port}/"
+
+
+@pytest.fixture(scope="module")
+def demo_app():
+    holder = ModelHolder(None, None, demo=True).start()
+    app, url = launch(holder)
+    assert holder.ready.wait(120) and holder.engine is not None, holder.status
+    yield holder, url
+    app.close()
+
+
+@pytest.fixture
+def client(demo_app):
+    return Client(demo_app[1], verbose=False)
+
+
+@pytest.fixture(scope="module")
+def media(tmp_path_factory):
+    folder = tmp_path_factory.mktemp("media")
+    Image.fromarray(np.random.default_rng(0).integers(0, 256, (48, 64, 3), dtype=np.uint8)).save(folder / "picture.png")
+    sf.write(folder / "tone.wav", (0.3 * np.sin(np.arange(12000) / 16000 * 2 * np.pi * 440)).astype(np.float32), 16000)
+    (folder / "broken.png").write_bytes(b"this is not a png")
+    return folder
+
+
+def resend(history):
+    """History as the client sends it back (files re-uploaded, as the page does)."""
+    out = []
+    for m in history:
+        content = [{**p, "file": handle_file(p["file"])} if p.get("type") == "file" else p for p in m["content"]]
+        out.append({**m, "content": content})
+    return out
+
+
+def chat(client, text, history=(), files=(), temperature=0.0, max_tokens=8, **kwargs):
+    message = {"text": text, "files": [handle_file(str(f)) for f in files]}
+    history, box = client.predict(message, resend(history), "", temperature, 0.95, 64, max_tokens, False, 280, "", api_name="/chat", **kwargs)
+    return history
+
+
+def title(m):
+    return (m.get("metadata") or {}).get("title") or ""
+
+
+def text(m):
+    return "".join(p.get("text", "") for p in m["content"])
+
+
+def test_text_turn_streams_a_reply_with_stats(client):
+    job = client.submit({"text": "hello there", "files": []}, [], "", 0.0, 0.95, 64, 12, False, 280, "", api_name="/chat")
+    history = job.result()[0]
+    updates = job.outputs()
+    assert len(updates) > 3  # streamed: one update per token, not one at the end
+    assert [m["role"] for m in history] == ["user", "assistant", "assistant"]
+    assert text(history[0]) == "hello there" and text(history[1])
+    assert title(history[2]).startswith(STATS_TITLE) and "tok/s" in title(history[2])
+
+
+def test_multimodal_turn_and_prefix_reuse(client, media):
+    history = chat(client, "hello")
+    history = chat(client, "what do you see and hear?", history, files=[media / "picture.png", media / "tone.wav"])
+    assert not any(title(m).startswith(ERROR_TITLE) for m in history), [text(m) for m in history]
+    stats = text(history[-1])
+    reused = int(stats.split("prompt: ")[1].split(" tokens, ")[1].split(" reused")[0])
+    assert reused > 0  # the first turn was not prefilled again
+    # Media in an earlier turn keep working in later turns.
+    history = chat(client, "and now?", history)
+    assert not any(title(m).startswith(ERROR_TITLE) for m in history)
+
+
+def test_regenerate_gives_the_same_greedy_reply(client):
+    history = chat(client, "tell me a story", max_tokens=10)
+    answer = text(history[-2])
+    again = client.predict(resend(history), "", 0.0, 0.95, 64, 10, False, 280, "", api_name="/regenerate")
+    assert text(again[-2]) == answer
+    assert len(again) == len(history)
+
+
+def test_stop_mid_stream(demo_app, client):
+    holder, _ = demo_app
+    engine = holder.engine
+    original = engine.stream
+    eos = list(engine.processor.eos_token_ids)
+
+    def never_ending(logprobs):  # sample anything but an end token, so only Stop can end the reply
+        logprobs[..., eos] = -mx.inf
+        return mx.argmax(logprobs, axis=-1)
+
+    engine.stream = functools.partial(original, sampler=never_ending)
+    try:
+        job = client.submit({"text": "go on forever", "files": []}, [], "", 1.0, 0.95, 64, 8000, False, 280, "", api_name="/chat")
+        while len(job.outputs()) < 5:
+            time.sleep(0.05)
+        client.predict(api_name="/stop")
+        tic = time.time()
+        history = job.result(timeout=30)[0]
+        assert time.time() - tic < 10
+    finally:
+        engine.stream = original
+    assert "stopped" in title(history[-1])
+    generated = int(text(history[-1]).split("generation: ")[1].split(" tokens")[0])
+    assert generated < 8000
+    # The app keeps working, and the stopped reply is part of the conversation.
+    history = chat(client, "next", history)
+    assert title(history[-1]).startswith(STATS_TITLE)
+
+
+def test_bad_inputs_give_clear_messages(client, media):
+    history = chat(client, "look", files=[media / "broken.png"])
+    assert title(history[-1]).startswith(ERROR_TITLE)
+    assert "broken.png" in text(history[-1]) or "image" in text(history[-1]).lower()
+    # The conversation goes on; the failed turn is not sent to the model again.
+    history = chat(client, "hello", history)
+    assert title(history[-1]).startswith(STATS_TITLE)
+    long = chat(client, "word " * 9000)
+    assert title(long[-1]).startswith(ERROR_TITLE) and "context" in text(long[-1])
+    bad_tools = client.predict({"text": "hi", "files": []}, [], "", 0.0, 0.95, 64, 8, False, 280, "[not json", api_name="/chat")[0]
+    assert "not valid JSON" in text(bad_tools[-1])
+
+
+def test_undo_and_export(client):
+    history = chat(client, "first")
+    history = chat(client, "second", history)
+    undone, box = client.predict(resend(history), api_name="/undo")
+    assert [text(m) for m in undone if m["role"] == "user"] == ["first"]
+    assert box["text"] == "second"
+    path = client.predict(resend(history), api_name="/export")
+    markdown = open(path, encoding="utf-8").read()
+    assert "**You:** first" in markdown and "**You:** second" in markdown
+
+
+def test_model_that_fails_to_load(tmp_path):
+    holder = ModelHolder(str(tmp_path / "no-such-model"), None).start()
+    app, url = launch(holder)
+    try:
+        assert holder.ready.wait(60) and holder.engine is None
+        history = chat(Client(url, verbose=False), "hello")
+        assert title(history[-1]).startswith(ERROR_TITLE)
+        assert "Could not load" in text(history[-1]) and "no-such-model" in text(history[-1])
+    finally:
+        app.close()
+
+
+# ---------------------------------------------------------------------------- history conversion
+def test_history_to_model_messages():
+    history = [
+        {"role": "user", "content": [{"type": "file", "file": {"path": "/x/a.png"}}]},
+        {"role": "user", "content": [{"type": "text", "text": "what is it"}]},
+        {"role": "assistant", "content": "thinking...", "metadata": {"title": "Reasoning"}},
+        {"role": "assistant", "content": "A cat."},
+        {"role": "assistant", "content": json.dumps({"name": "f", "arguments": {"a": 1}}), "metadata": {"title": "Tool call: f"}},
+        {"role": "assistant", "content": "- stats", "metadata": {"title": STATS_TITLE + "1 s"}},
+        {"role": "user", "content": "and this?"},
+        {"role": "user", "content": [{"type": "file", "file": {"path": "/x/b.wav"}}]},
+        {"role": "assistant", "content": "cannot", "metadata": {"title": ERROR_TITLE + "no audio"}},
+        {"role": "user", "content": "plain"},
+    ]
+    messages = to_model_messages(history, system="be kind")
+    assert messages[0] == {"role": "system", "content": "be kind"}
+    assert messages[1] == {"role": "user", "content": [{"type": "image", "path": "/x/a.png"}, {"type": "text", "text": "what is it"}]}
+    assert messages[2]["content"] == "A cat." and messages[2]["tool_calls"][0]["function"] == {"name": "f", "arguments": {"a": 1}}
+    assert messages[3] == {"role": "user", "content": "plain"}  # the failed turn is dropped
+    assert len(messages) == 4
+    assert "**Gemma:** A cat." in to_markdown(history, "m")
+
+
+def test_unsupported_media_and_kinds():
+    messages = [{"role": "user", "content": [{"type": "audio", "path": "/x/rec.webm"}]}]
+    assert "no audio encoder" in unsupported_media(messages, {"image": True, "audio": False, "video": True})
+    assert unsupported_media(messages, {"image": True, "audio": True, "video": True}) is None
+    assert "not an image" in unsupported_media([{"role": "user", "content": [{"type": "unknown", "path": "/x/a.pdf"}]}], {})
+    assert media_kind("rec.webm", "audio/webm") == "audio" and media_kind("clip.mp4") == "video" and media_kind("a.JPG") == "image"
+
+
+def test_reasoning_and_tool_call_blocks(demo_app, client):
+    """A sampler that plays back a fixed reply shows how the page lays out reasoning, answer and a tool call."""
+    holder, _ = demo_app
+    engine = holder.engine
+    processor = engine.processor
+    script = processor.encode('<|channel>thought\nweather needed<channel|>Checking.<|tool_call>call:get_weather{city:<|"|>Oslo<|"|>}<tool_call|>', add_special_tokens=False)
+    end = processor.tokenizer.convert_tokens_to_ids("<turn|>")
+    it = iter(script)
+    original = engine.stream
+    engine.stream = functools.partial(original, sampler=lambda logprobs: mx.array([next(it, end)]))
+    try:
+        history = chat(client, "weather in Oslo?", max_tokens=200)
+    finally:
+        engine.stream = original
+    titles = [title(m) for m in history[1:]]
+    assert titles[0] == "Reasoning" and text(history[1]) == "weather needed"
+    assert titles[1] == "" and text(history[2]) == "Checking."
+    assert titles[2] == "Tool call: get_weather" and json.loads(text(history[3])) == {"name": "get_weather", "arguments": {"city": "Oslo"}}
+    assert "waiting for a tool result" in titles[3]
+    # The call goes back to the model as the assistant turn's tool_calls.
+    messages = to_model_messages(history)
+    assert messages[-1]["tool_calls"][0]["function"]["arguments"] == {"city": "Oslo"}

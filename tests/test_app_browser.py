@@ -1,0 +1,54 @@
+"""The chat page in a real headless Chromium (Debian's, driven by Playwright): a typed message gets a
+reply that streams into the page. Saves a screenshot (``GEMMA4_SCREENSHOT=path`` keeps it)."""
+
+import os
+import shutil
+import time
+
+import pytest
+from test_app import launch
+
+from app.backend import ModelHolder
+
+CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser")
+pytestmark = pytest.mark.skipif(
+    CHROMIUM is None, reason="needs a Chromium binary (Debian: apt install chromium; .ci/run installs it)"
+)
+FLAGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
+         "--disable-background-networking", "--disable-component-update", "--disable-sync"]  # fmt: skip
+
+
+def test_reply_streams_into_the_page(tmp_path):
+    from playwright.sync_api import sync_playwright
+
+    holder = ModelHolder(None, None, demo=True).start()
+    app, url = launch(holder)
+    try:
+        assert holder.ready.wait(120)
+        with sync_playwright() as p:
+            browser = p.chromium.launch(executable_path=CHROMIUM, args=FLAGS)
+            page = browser.new_page(viewport={"width": 1100, "height": 900})
+            page.goto(url)
+            page.wait_for_selector("#status:has-text('Ready')", timeout=60_000)
+            box = page.locator("#input textarea")
+            box.fill("Hello Gemma! Say something.")
+            box.press("Enter")
+            bot = page.locator("#chatbot .message.bot, #chatbot [data-testid='bot']").first
+            bot.wait_for(timeout=60_000)
+            lengths = []
+            for _ in range(40):  # the reply grows while it streams
+                lengths.append(len(page.locator("#chatbot").inner_text()))
+                if page.locator("#chatbot").get_by_text("tok/s").count():
+                    break
+                time.sleep(0.05)
+            page.locator("#chatbot").get_by_text("tok/s").first.wait_for(timeout=60_000)
+            assert "Hello Gemma! Say something." in page.locator("#chatbot").inner_text()
+            assert len(set(lengths)) > 1 or lengths[-1] > 0
+            shot = tmp_path / "app.png"
+            page.screenshot(path=str(shot))
+            browser.close()
+        assert shot.stat().st_size > 10_000
+        if os.environ.get("GEMMA4_SCREENSHOT"):
+            shutil.copy(shot, os.environ["GEMMA4_SCREENSHOT"])
+    finally:
+        app.close()
