@@ -71,6 +71,7 @@ class ChatEngine:
     def __init__(self, model, processor, max_snapshots: int = 2):
         self.model = model
         self.processor = processor
+        model.materialize()  # it is used from the engine's own thread
         self.prompt_cache = PromptCache(model, max_snapshots)
         self._turn_start_id = processor.tokenizer.convert_tokens_to_ids("<|turn>")
         # MLX streams and in-flight arrays belong to a thread, and servers such as Gradio call each

@@ -221,18 +221,9 @@ def load_model(model_path: str | Path, dtype: str | None = None, lazy: bool = Fa
     model.load_weights(list(weights.items()), strict=True)
     model.adapt_to_device()
     if not lazy:
-        mx.eval(model.parameters(), _private_arrays(model))
+        model.materialize()
     model.eval()
     return model
-
-
-def _private_arrays(model: nn.Module) -> list[mx.array]:
-    """Arrays that modules keep outside their parameters (RoPE tables and the like). Evaluating them
-    at load time matters: a lazy array made on this thread cannot be evaluated on another one."""
-    arrays = []
-    for _, module in model.named_modules():
-        arrays += [v for k, v in module.items() if k.startswith("_") and isinstance(v, mx.array)]
-    return arrays
 
 
 def _check_weights(model: nn.Module, weights: dict[str, mx.array], model_path: Path) -> None:

@@ -72,6 +72,13 @@ class Gemma4Model(nn.Module):
             if any(changed):
                 warnings.warn("MLX's CPU backend needs float32 experts: half-precision expert weights were upcast")
 
+    def materialize(self) -> None:
+        """Evaluate every array the model holds: its parameters and the arrays modules keep outside
+        them (RoPE tables and the like). A lazy array made on one thread cannot be evaluated on
+        another, so models that are used from other threads (the chat engine) must be materialized."""
+        private = [v for _, m in self.named_modules() for k, v in m.items() if k.startswith("_") and isinstance(v, mx.array)]
+        mx.eval(self.parameters(), private)
+
     def make_cache(self) -> list:
         """A fresh KV cache for incremental decoding (see :mod:`gemma4_mlx.cache`)."""
         return make_cache(self.text_config)

@@ -224,3 +224,23 @@ def test_reasoning_and_tool_call_blocks(demo_app, client):
     # The call goes back to the model as the assistant turn's tool_calls.
     messages = to_model_messages(history)
     assert messages[-1]["tool_calls"][0]["function"]["arguments"] == {"city": "Oslo"}
+
+
+def test_first_use_conversion_is_cached(tmp_path, monkeypatch):
+    """An unquantized checkpoint is converted once (``--quantize 8``), then loaded from the cache."""
+    from checkpoints import build_hf_model, save_checkpoint
+
+    import app.backend
+
+    monkeypatch.setattr(app.backend, "CACHE_DIR", tmp_path / "cache")
+    source = save_checkpoint(build_hf_model("e2b"), tmp_path / "hf-e2b")
+    holder = ModelHolder(str(source), 8).start()
+    assert holder.ready.wait(120) and holder.engine is not None, holder.status
+    converted = tmp_path / "cache" / "hf-e2b-8bit"
+    config = json.loads((converted / "config.json").read_text())
+    assert config["quantization"]["bits"] == 8
+    assert holder.status.startswith("Ready")
+    stamp = (converted / "config.json").stat().st_mtime
+    again = ModelHolder(str(source), 8).start()
+    assert again.ready.wait(120) and again.engine is not None
+    assert (converted / "config.json").stat().st_mtime == stamp  # not converted twice

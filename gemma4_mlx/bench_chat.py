@@ -1,0 +1,92 @@
+"""Benchmark: prefix reuse across chat turns (the cost of a new turn), with and without reuse.
+
+    python -m gemma4_mlx.bench_chat                                # E2B shapes, CPU-sized defaults
+    python -m gemma4_mlx.bench_chat --variant 31b --history 1024 4096 16384 --layers full --bits 4
+
+A conversation starts with a long first message (``--history`` tokens), gets a reply, then a short
+second message (``--new`` tokens). The table shows the second turn's prompt size, how much of it was
+reused from the cache, the tokens actually prefilled, and the time to first token, with
+:class:`~gemma4_mlx.chat.ChatEngine`'s prefix reuse and without it (a fresh cache each turn).
+With reuse, the second turn's cost follows the new tokens, not the length of the conversation.
+"""
+
+from __future__ import annotations
+
+import argparse
+import tempfile
+import time
+from pathlib import Path
+
+import mlx.core as mx
+
+from .bench import CPU_LAYERS, VARIANTS, build_pair, variant_config
+from .chat import ChatEngine
+from .config import ModelConfig
+from .processing import Processor
+
+
+def make_processor(vocab_size: int) -> Processor:
+    """The tiny Gemma-style tokenizer and the published chat template (random weights need no real vocabulary)."""
+    from mlx_lm.tokenizer_utils import load as load_tokenizer
+
+    from .tiny import write_tokenizer
+
+    folder = Path(tempfile.mkdtemp(prefix="gemma4-bench-"))
+    write_tokenizer(folder)
+    config = ModelConfig.from_dict({"model_type": "gemma4_text", "vocab_size": vocab_size})
+    return Processor(load_tokenizer(folder), config, eos_token_ids=[1, 106])
+
+
+def filler(processor: Processor, tokens: int) -> str:
+    """A user message of about ``tokens`` tokens."""
+    words = "the water of the world is one long day for people who write about time ".split()
+    text, n = [], 0
+    while n < tokens:
+        text.append(words[len(text) % len(words)])
+        n = len(processor.encode(" ".join(text), add_special_tokens=False))
+    return " ".join(text)
+
+
+def second_turn(engine: ChatEngine, processor: Processor, history_tokens: int, new_tokens: int, reply_tokens: int):
+    """Stats of the second turn with reuse, then of the same turn from a fresh cache."""
+    first = [{"role": "user", "content": filler(processor, history_tokens)}]
+    reply = list(engine.stream(first, max_tokens=reply_tokens))[-1].reply
+    second = first + [reply.as_message(), {"role": "user", "content": filler(processor, new_tokens)}]
+    with_reuse = list(engine.stream(second, max_tokens=2))[-1].stats
+    fresh = list(engine.stream(second, max_tokens=2, reuse=False))[-1].stats
+    return with_reuse, fresh
+
+
+def main(argv: list[str] | None = None) -> None:
+    on_gpu = mx.default_device().type == mx.DeviceType.gpu
+    p = argparse.ArgumentParser(prog="python -m gemma4_mlx.bench_chat", description=__doc__.split("\n\n")[0])
+    p.add_argument("--variant", default="e2b", choices=list(VARIANTS))
+    p.add_argument("--layers", default=None, help="layers ('full' for all; default: full on a GPU, fewer on a CPU)")
+    p.add_argument("--bits", type=int, default=4 if on_gpu else 0, help="quantization bits (0: unquantized)")
+    p.add_argument("--dtype", choices=["bfloat16", "float16", "float32"], default="bfloat16")
+    p.add_argument("--history", type=int, nargs="+", default=[4096, 16384] if on_gpu else [128, 512])
+    p.add_argument("--new", type=int, default=32, help="tokens in the second message")
+    p.add_argument("--reply", type=int, default=16, help="tokens of the first reply")
+    p.add_argument("--vocab", type=int, default=262_144)
+    args = p.parse_args(argv)
+
+    layers = None if args.layers == "full" or (args.layers is None and on_gpu) else int(args.layers or CPU_LAYERS[args.variant])
+    model, _, text = build_pair(args.variant, layers, args.bits or None, getattr(mx, args.dtype), args.vocab)
+    processor = make_processor(text["vocab_size"])
+    engine = ChatEngine(model, processor)
+    second_turn(engine, processor, 16, 4, 2)  # warm up
+    print(f"device: {mx.default_device()}, mlx {mx.__version__}, {args.variant} ({text['num_hidden_layers']} layers), "
+          f"{f'{args.bits}-bit' if args.bits else args.dtype}; second message {args.new} tokens, first reply {args.reply}")  # fmt: skip
+    print("| history tokens | 2nd-turn prompt | reused | prefilled (reuse / fresh) | time to first token (reuse / fresh / ratio) |")
+    print("|---|---|---|---|---|")
+    for n in args.history:
+        a, b = second_turn(engine, processor, n, args.new, args.reply)
+        print(
+            f"| {n} | {a.prompt_tokens} | {a.reused_tokens} | {a.prompt_tokens - a.reused_tokens} / {b.prompt_tokens} "
+            f"| {a.time_to_first_token:.3f} s / {b.time_to_first_token:.3f} s / {b.time_to_first_token / a.time_to_first_token:.1f}x |",
+            flush=True,
+        )
+
+
+if __name__ == "__main__":
+    main()
