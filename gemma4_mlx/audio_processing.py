@@ -67,8 +67,12 @@ def _decode_file(path: Path) -> tuple[np.ndarray, int]:
     try:
         data, rate = sf.read(str(path), dtype="float32", always_2d=True)
         return data.mean(axis=1), int(rate)
-    except Exception as e:  # libsndfile cannot read it: try audioread/ffmpeg through librosa
+    except Exception as e:  # libsndfile cannot read it (webm/opus from a browser microphone, m4a, ...)
         first = e
+    try:
+        return _decode_with_av(path), SAMPLING_RATE
+    except Exception:  # noqa: S110 - PyAV cannot either: librosa's audioread fallback is the last try
+        pass
     try:
         import librosa
 
@@ -79,6 +83,23 @@ def _decode_file(path: Path) -> tuple[np.ndarray, int]:
     except Exception as e:
         reason = str(first).strip() or type(first).__name__
         raise MediaError(f"cannot read audio file {path}: {reason}") from e
+
+
+def _decode_with_av(path: Path) -> np.ndarray:
+    """Decode any container/codec FFmpeg knows (through PyAV, which bundles it) to mono 16 kHz."""
+    import av
+
+    chunks = []
+    with av.open(str(path)) as container:
+        if not container.streams.audio:
+            raise MediaError(f"{path} has no audio stream")
+        resampler = av.AudioResampler(format="flt", layout="mono", rate=SAMPLING_RATE)
+        for frame in container.decode(container.streams.audio[0]):
+            chunks += [f.to_ndarray().reshape(-1) for f in resampler.resample(frame)]
+        chunks += [f.to_ndarray().reshape(-1) for f in resampler.resample(None)]
+    if not chunks:
+        raise MediaError(f"{path} holds no audio samples")
+    return np.concatenate(chunks).astype(np.float32)
 
 
 class AudioFeatureExtractor:

@@ -1,5 +1,5 @@
 """The chat page in a real headless Chromium (Debian's, driven by Playwright): a typed message gets a
-reply that streams into the page. Saves a screenshot (``GEMMA4_SCREENSHOT=path`` keeps it)."""
+reply that streams into the page and survives a reload. Saves a screenshot (``GEMMA4_SCREENSHOT=path`` keeps it)."""
 
 import os
 import shutil
@@ -46,6 +46,9 @@ def test_reply_streams_into_the_page(tmp_path):
             assert len(set(lengths)) > 1 or lengths[-1] > 0
             shot = tmp_path / "app.png"
             page.screenshot(path=str(shot))
+            # The conversation survives a page reload (kept in the browser's local storage).
+            page.reload()
+            page.locator("#chatbot").get_by_text("Hello Gemma! Say something.").wait_for(timeout=30_000)
             browser.close()
         assert shot.stat().st_size > 10_000
         if os.environ.get("GEMMA4_SCREENSHOT"):

@@ -258,3 +258,30 @@ def test_tower_matches_hf(extractors):
     alone = extractors[0](clips[:1])
     single = np.array(encode_audio(tower, embedder, alone["input_features"], alone["input_features_mask"]))
     assert float(np.abs(single - ours[:33]).max() / np.abs(ours[:33]).max()) < TOWER_RTOL
+
+
+def test_browser_microphone_recording_webm_opus(tmp_path):
+    """Browsers record the microphone as WebM/Opus, which libsndfile cannot read: PyAV decodes it."""
+    from fractions import Fraction
+
+    import av
+
+    from gemma4_mlx.audio_processing import load_audio
+
+    path = tmp_path / "recording.webm"
+    rate = 48000
+    tone = (0.3 * np.sin(2 * np.pi * 440 * np.arange(rate) / rate)).astype(np.float32)[None]
+    with av.open(str(path), "w") as container:
+        stream = container.add_stream("libopus", rate=rate)
+        stream.layout = "mono"
+        for i in range(0, rate, 960):
+            frame = av.AudioFrame.from_ndarray(tone[:, i : i + 960], format="flt", layout="mono")
+            frame.sample_rate, frame.pts, frame.time_base = rate, i, Fraction(1, rate)
+            for packet in stream.encode(frame):
+                container.mux(packet)
+        for packet in stream.encode(None):
+            container.mux(packet)
+    audio = load_audio(path)
+    assert abs(audio.size - 16000) <= 400  # one second at 16 kHz (the codec pads a little)
+    spectrum = np.abs(np.fft.rfft(audio[2000:14000]))
+    assert abs(np.argmax(spectrum) * 16000 / 12000 - 440) < 5  # still a 440 Hz tone
