@@ -175,8 +175,13 @@ def to_model_messages(history: list[dict], system: str | None = None) -> list[di
                         content.append({"type": "text", "text": part["text"]})
                 else:
                     f = part["file"]
-                    kind = media_kind(f.get("path", ""), f.get("mime_type"))
-                    content.append({"type": kind or "unknown", "path": f.get("path")})
+                    path = f.get("path") or ""
+                    if not Path(path).is_file():
+                        # An upload from an earlier run of the app, restored with the page: the server
+                        # no longer has it. Say so in its place rather than failing every later turn.
+                        content.append({"type": "text", "text": f"[{f.get('orig_name') or Path(path).name}: file no longer available]"})
+                        continue
+                    content.append({"type": media_kind(path, f.get("mime_type")) or "unknown", "path": path})
             # Consecutive user messages (text, then files) form one turn.
             if messages and messages[-1]["role"] == "user":
                 messages[-1]["content"] += content

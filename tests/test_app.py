@@ -172,25 +172,30 @@ def test_model_that_fails_to_load(tmp_path):
 
 
 # ---------------------------------------------------------------------------- history conversion
-def test_history_to_model_messages():
+def test_history_to_model_messages(tmp_path):
+    for name in ("a.png", "b.wav"):
+        (tmp_path / name).write_bytes(b"")
     history = [
-        {"role": "user", "content": [{"type": "file", "file": {"path": "/x/a.png"}}]},
+        {"role": "user", "content": [{"type": "file", "file": {"path": str(tmp_path / "a.png")}}]},
         {"role": "user", "content": [{"type": "text", "text": "what is it"}]},
         {"role": "assistant", "content": "thinking...", "metadata": {"title": "Reasoning"}},
         {"role": "assistant", "content": "A cat."},
         {"role": "assistant", "content": json.dumps({"name": "f", "arguments": {"a": 1}}), "metadata": {"title": "Tool call: f"}},
         {"role": "assistant", "content": "- stats", "metadata": {"title": STATS_TITLE + "1 s"}},
         {"role": "user", "content": "and this?"},
-        {"role": "user", "content": [{"type": "file", "file": {"path": "/x/b.wav"}}]},
+        {"role": "user", "content": [{"type": "file", "file": {"path": str(tmp_path / "b.wav")}}]},
         {"role": "assistant", "content": "cannot", "metadata": {"title": ERROR_TITLE + "no audio"}},
         {"role": "user", "content": "plain"},
+        {"role": "assistant", "content": "ok"},
+        {"role": "user", "content": [{"type": "file", "file": {"path": "/gone/old.png", "orig_name": "old.png"}}]},
     ]
     messages = to_model_messages(history, system="be kind")
     assert messages[0] == {"role": "system", "content": "be kind"}
-    assert messages[1] == {"role": "user", "content": [{"type": "image", "path": "/x/a.png"}, {"type": "text", "text": "what is it"}]}
+    assert messages[1] == {"role": "user", "content": [{"type": "image", "path": str(tmp_path / "a.png")}, {"type": "text", "text": "what is it"}]}
     assert messages[2]["content"] == "A cat." and messages[2]["tool_calls"][0]["function"] == {"name": "f", "arguments": {"a": 1}}
     assert messages[3] == {"role": "user", "content": "plain"}  # the failed turn is dropped
-    assert len(messages) == 4
+    assert messages[5] == {"role": "user", "content": "[old.png: file no longer available]"}  # a restored, vanished upload
+    assert len(messages) == 6
     assert "**Gemma:** A cat." in to_markdown(history, "m")
 
 
