@@ -6,7 +6,7 @@
         print(chunk.text, end="", flush=True)
 """
 
-from .chat import Chat, ChatEngine
+from .chat import Chat, ChatEngine, ReplyOptions
 from .config import LayerSpec, ModelConfig, TextConfig, UnsupportedModelError
 from .generate import ContextLengthError, GenerationChunk, generate, stream_generate
 from .loading import CheckpointError, load, load_model
@@ -19,6 +19,7 @@ __all__ = [
     "load",
     "Chat",
     "ChatEngine",
+    "ReplyOptions",
     "load_model",
     "generate",
     "stream_generate",

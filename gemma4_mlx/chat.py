@@ -55,6 +55,26 @@ class ReplyStats:
 
 
 @dataclass
+class ReplyOptions:
+    """Options of :meth:`ChatEngine.stream` (and of :class:`Chat`)."""
+
+    max_tokens: int = 1024
+    temperature: float = 0.0  # 0: greedy; otherwise mlx-lm's sampler with the options below
+    top_p: float = 1.0
+    top_k: int = 0
+    min_p: float = 0.0
+    repetition_penalty: float | None = None
+    seed: int | None = None
+    enable_thinking: bool = False
+    tools: list[dict] | None = None  # function declarations, rendered by the chat template
+    max_soft_tokens: int | None = None  # image token budget: 70, 140, 280 (default), 560, 1120
+    reuse: bool = True  # False: prefill the whole conversation from a fresh cache
+    stop_event: threading.Event | None = None
+    prefill_step_size: int = 2048
+    sampler: Callable[[mx.array], mx.array] | None = None  # replaces the one made from the options above
+
+
+@dataclass
 class ChatChunk:
     """One streamed step of a reply."""
 
@@ -80,37 +100,18 @@ class ChatEngine:
         self._jobs: queue.Queue = queue.Queue()
         self._worker: threading.Thread | None = None
 
-    def stream(
-        self,
-        messages: list[dict[str, Any]],
-        *,
-        max_tokens: int = 1024,
-        temperature: float = 0.0,
-        top_p: float = 1.0,
-        top_k: int = 0,
-        min_p: float = 0.0,
-        repetition_penalty: float | None = None,
-        seed: int | None = None,
-        enable_thinking: bool = False,
-        tools: list[dict] | None = None,
-        max_soft_tokens: int | None = None,
-        reuse: bool = True,
-        stop_event: threading.Event | None = None,
-        prefill_step_size: int = 2048,
-        sampler: Callable[[mx.array], mx.array] | None = None,
-    ) -> Iterator[ChatChunk]:
+    def stream(self, messages: list[dict[str, Any]], **options) -> Iterator[ChatChunk]:
         """Stream the model's reply to ``messages`` (HF-style chat messages; content lists may hold
-        ``{"type": "image" | "audio" | "video", "path": ...}`` items). Setting ``stop_event`` (or
-        closing the iterator) stops generation after the current token. ``sampler`` replaces the one
-        made from temperature/top-p/top-k/min-p (mlx-lm's ``make_sampler``)."""
-        stop_event = stop_event or threading.Event()
-        args = (messages, max_tokens, temperature, top_p, top_k, min_p, repetition_penalty, seed,
-                enable_thinking, tools, max_soft_tokens, reuse, stop_event, prefill_step_size, sampler)  # fmt: skip
+        ``{"type": "image" | "audio" | "video", "path": ...}`` items). ``options`` are the fields of
+        :class:`ReplyOptions`. Setting ``stop_event`` (or closing the iterator) stops generation
+        after the current token."""
+        opts = ReplyOptions(**options)
+        opts.stop_event = opts.stop_event or threading.Event()
         out: queue.Queue = queue.Queue()
 
         def job():
             try:
-                for chunk in self._stream(*args):
+                for chunk in self._stream(messages, opts):
                     out.put(chunk)
             except BaseException as e:  # handed to the caller's thread
                 out.put(_Failure(e))
@@ -141,7 +142,7 @@ class ChatEngine:
                     return
         finally:
             if not finished:
-                stop_event.set()  # the caller went away: stop generating
+                opts.stop_event.set()  # the caller went away: stop generating
 
     def _submit(self, job) -> None:
         if self._worker is None or not self._worker.is_alive():
@@ -153,17 +154,16 @@ class ChatEngine:
         while True:
             self._jobs.get()()
 
-    def _stream(self, messages, max_tokens, temperature, top_p, top_k, min_p, repetition_penalty, seed,
-                enable_thinking, tools, max_soft_tokens, reuse, stop_event, prefill_step_size, sampler):  # fmt: skip
+    def _stream(self, messages: list[dict[str, Any]], o: "ReplyOptions") -> Iterator[ChatChunk]:
         tic = time.perf_counter()
-        template = {"tools": tools} if tools else {}
-        inputs = self.processor.prepare(messages, enable_thinking=enable_thinking, max_soft_tokens=max_soft_tokens, **template)
+        template = {"tools": o.tools} if o.tools else {}
+        inputs = self.processor.prepare(messages, enable_thinking=o.enable_thinking, max_soft_tokens=o.max_soft_tokens, **template)
         ids = inputs.pop("input_ids")[0].tolist()
         check_token_ids(self.model.text_token_ids(mx.array(ids)), self.model.text_config.vocab_size)
         context = self.model.text_config.max_position_embeddings
         if len(ids) >= context:
             raise ContextLengthError(f"the conversation is {len(ids)} tokens long; the model's context is {context} tokens")
-        max_tokens = min(max_tokens, context - len(ids))
+        max_tokens = min(o.max_tokens, context - len(ids))
         # Snapshot points: where the last user turn and the generation prompt begin. Regenerating
         # or editing the last message rewinds to one of them, and so does the next turn when the
         # template renders the reply differently from how it was generated.
@@ -171,22 +171,22 @@ class ChatEngine:
         snapshot_points = set(turn_starts[-2:])
 
         pc = self.prompt_cache
-        if not reuse:
+        if not o.reuse:
             pc.reset()
         try:
             start = pc.reuse(ids)
             embeds = self._embed_new_part(ids, start, inputs)
-            if seed is not None:
-                mx.random.seed(seed)
-            sampler = sampler or make_sampler(temp=temperature, top_p=top_p, min_p=min_p, top_k=top_k)
-            processors = make_logits_processors(repetition_penalty=repetition_penalty)
+            if o.seed is not None:
+                mx.random.seed(o.seed)
+            sampler = o.sampler or make_sampler(temp=o.temperature, top_p=o.top_p, min_p=o.min_p, top_k=o.top_k)
+            processors = make_logits_processors(repetition_penalty=o.repetition_penalty)
             mx.reset_peak_memory()
             with mx.stream(generation_stream()):
                 position = start
                 for end in sorted(p for p in snapshot_points | {len(ids) - 1} if p > position):
                     # prefill() runs all but the last token it is given.
                     part_embeds = None if embeds is None else embeds[position - start : end - start + 1]
-                    prefill(self.model, mx.array(ids[position : end + 1]), pc.cache, prefill_step_size, inputs_embeds=part_embeds)
+                    prefill(self.model, mx.array(ids[position : end + 1]), pc.cache, o.prefill_step_size, inputs_embeds=part_embeds)
                     position = end
                     pc.ids = ids[:end]
                     if end in snapshot_points:
@@ -195,7 +195,7 @@ class ChatEngine:
         except BaseException:
             pc.reset()  # a half-filled cache must not be reused
             raise
-        yield from self._decode(ids, start, last_embeds, max_tokens, sampler, processors, stop_event, tic)
+        yield from self._decode(ids, start, last_embeds, max_tokens, sampler, processors, o.stop_event, tic)
 
     def _decode(self, ids, start, last_embeds, max_tokens, sampler, processors, stop_event, tic) -> Iterator[ChatChunk]:
         pc = self.prompt_cache
