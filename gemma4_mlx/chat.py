@@ -181,17 +181,27 @@ class ChatEngine:
             sampler = o.sampler or make_sampler(temp=o.temperature, top_p=o.top_p, min_p=o.min_p, top_k=o.top_k)
             processors = make_logits_processors(repetition_penalty=o.repetition_penalty)
             mx.reset_peak_memory()
+            def check_stop(done: int, total: int) -> None:
+                if o.stop_event.is_set():
+                    raise _Stopped
+
             with mx.stream(generation_stream()):
                 position = start
                 for end in sorted(p for p in snapshot_points | {len(ids) - 1} if p > position):
                     # prefill() runs all but the last token it is given.
                     part_embeds = None if embeds is None else embeds[position - start : end - start + 1]
-                    prefill(self.model, mx.array(ids[position : end + 1]), pc.cache, o.prefill_step_size, inputs_embeds=part_embeds)
+                    prefill(self.model, mx.array(ids[position : end + 1]), pc.cache, o.prefill_step_size, check_stop, part_embeds)
                     position = end
                     pc.ids = ids[:end]
                     if end in snapshot_points:
                         pc.snapshot()
             last_embeds = None if embeds is None else embeds[len(ids) - 1 - start :]
+        except _Stopped:
+            # Stopped between prefill chunks: the cache holds whole chunks, still reusable.
+            pc.ids = ids[: pc.offset]
+            stats = ReplyStats(prompt_tokens=len(ids), reused_tokens=start, peak_memory=mx.get_peak_memory() / 1e9)
+            yield ChatChunk("", "answer", Reply(), stats, "stopped")
+            return
         except BaseException:
             pc.reset()  # a half-filled cache must not be reused
             raise
@@ -281,6 +291,10 @@ def _merge(chunks: list[ChatChunk]) -> list[ChatChunk]:
 
 def _copy_reply(reply: Reply) -> Reply:
     return Reply(reply.thinking, reply.content, list(reply.tool_calls))
+
+
+class _Stopped(Exception):
+    """Raised between prefill chunks when the caller asked to stop."""
 
 
 @dataclass

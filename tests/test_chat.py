@@ -222,3 +222,21 @@ def test_prompt_cache_snapshot_is_a_copy(family_model):
     b = model(mx.array([[7, 8, 9]]), cache=fresh)
     assert mx.allclose(a, b, atol=1e-5).item()
     assert common_prefix_length([1, 2, 3], [1, 2, 4]) == 2
+
+
+def test_stop_during_prefill_keeps_the_cache_consistent(family_model):
+    """Stop set while a long prompt is prefilled: the reply ends at once, and what was prefilled is
+    reused by the next call, which still gives the same greedy reply as a fresh engine."""
+    model, processor = family_model
+    engine = ChatEngine(model, processor)
+    stop = threading.Event()
+    stop.set()
+    messages = [{"role": "user", "content": " ".join(TURNS * 6)}]
+    chunks = list(engine.stream(messages, max_tokens=5, stop_event=stop, prefill_step_size=16))
+    assert len(chunks) == 1 and chunks[0].finish_reason == "stopped" and chunks[0].stats.generation_tokens == 0
+    held = engine.prompt_cache.offset
+    assert held == len(engine.prompt_cache.ids) and 0 < held <= 16  # the first chunk, then the stop
+    resumed = list(engine.stream(messages, max_tokens=5, prefill_step_size=16))[-1]
+    fresh = list(ChatEngine(model, processor).stream(messages, max_tokens=5))[-1]
+    assert resumed.stats.reused_tokens == held
+    assert resumed.reply.content == fresh.reply.content
