@@ -1,5 +1,5 @@
 """The chat page in a real headless Chromium (Debian's, driven by Playwright): a typed message gets a
-reply that streams into the page and survives a reload. Saves a screenshot (``GEMMA4_SCREENSHOT=path`` keeps it)."""
+reply that streams into the page, survives a reload, and can be retried and edited. Saves a screenshot (``GEMMA4_SCREENSHOT=path`` keeps it)."""
 
 import os
 import shutil
@@ -48,10 +48,31 @@ def test_reply_streams_into_the_page(tmp_path):
             page.screenshot(path=str(shot))
             # The conversation survives a page reload (kept in the browser's local storage).
             page.reload()
-            page.locator("#chatbot").get_by_text("Hello Gemma! Say something.").wait_for(timeout=30_000)
+            chat = page.locator("#chatbot")
+            chat.get_by_text("Hello Gemma! Say something.").wait_for(timeout=30_000)
+            # The retry icon under the reply answers again, in place.
+            stats = lambda: chat.get_by_text("tok/s").all_inner_texts()  # noqa: E731 (times differ on every reply)
+            before = stats()
+            chat.locator("button[aria-label='Retry']").click()
+            _wait_until(lambda: len(stats()) == 1 and stats() != before)
+            assert chat.get_by_text("Hello Gemma! Say something.").count() == 1
+            # Editing the message replaces it and answers the new text.
+            before = stats()
+            chat.locator("button[aria-label='Edit']").click()
+            chat.locator("textarea").first.fill("An edited question")
+            chat.locator("button[aria-label='Submit']").click()
+            _wait_until(lambda: chat.get_by_text("An edited question").count() == 1 and len(stats()) == 1 and stats() != before)
+            assert chat.get_by_text("Hello Gemma! Say something.").count() == 0
             browser.close()
         assert shot.stat().st_size > 10_000
         if os.environ.get("GEMMA4_SCREENSHOT"):
             shutil.copy(shot, os.environ["GEMMA4_SCREENSHOT"])
     finally:
         app.close()
+
+
+def _wait_until(condition, timeout: float = 60.0) -> None:
+    end = time.time() + timeout
+    while not condition():
+        assert time.time() < end, "the page did not get there in time"
+        time.sleep(0.1)
