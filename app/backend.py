@@ -55,7 +55,10 @@ class ModelHolder:
                 from gemma4_mlx.tiny import build_demo_checkpoint
 
                 self.status = "Building the tiny demo model…"
-                path = build_demo_checkpoint(Path(tempfile.mkdtemp(prefix="gemma4-demo-")))
+                # Kept for the life of the process (the PLE table stays memory-mapped from it),
+                # removed at exit by TemporaryDirectory's finalizer.
+                self._demo_folder = tempfile.TemporaryDirectory(prefix="gemma4-demo-")
+                path = build_demo_checkpoint(Path(self._demo_folder.name))
             else:
                 path = self._converted_path()
             self.status = f"Loading {self.name}…"

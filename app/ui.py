@@ -8,6 +8,7 @@ and call the same code; the engine's prefix cache makes that cheap.
 
 from __future__ import annotations
 
+import itertools
 import json
 import tempfile
 import threading
@@ -43,6 +44,9 @@ LATEX = [
 def build_app(holder: ModelHolder) -> gr.Blocks:
     """The Blocks app for a model that ``holder`` loads in the background."""
     stop_events: dict[str, threading.Event] = {}
+    # Exports are written here and copied into Gradio's cache; removed when the process exits.
+    exports = tempfile.TemporaryDirectory(prefix="gemma4-chat-")
+    export_count = itertools.count(1)
 
     def stop_event(request: gr.Request | None) -> threading.Event:
         key = request.session_hash if request is not None and request.session_hash else "default"
@@ -149,7 +153,7 @@ def build_app(holder: ModelHolder) -> gr.Blocks:
         stop_event(request).set()
 
     def export(history):
-        path = Path(tempfile.mkdtemp(prefix="gemma4-chat-")) / "conversation.md"
+        path = Path(exports.name) / f"conversation-{next(export_count)}.md"
         path.write_text(to_markdown(history or [], holder.name), encoding="utf-8")
         return str(path)
 

@@ -31,10 +31,11 @@ def make_processor(vocab_size: int) -> Processor:
 
     from .tiny import write_tokenizer
 
-    folder = Path(tempfile.mkdtemp(prefix="gemma4-bench-"))
-    write_tokenizer(folder)
+    with tempfile.TemporaryDirectory(prefix="gemma4-bench-") as folder:
+        write_tokenizer(Path(folder))
+        tokenizer = load_tokenizer(Path(folder))
     config = ModelConfig.from_dict({"model_type": "gemma4_text", "vocab_size": vocab_size})
-    return Processor(load_tokenizer(folder), config, eos_token_ids=[1, 106])
+    return Processor(tokenizer, config, eos_token_ids=[1, 106])
 
 
 def filler(processor: Processor, tokens: int) -> str:
