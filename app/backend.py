@@ -92,12 +92,15 @@ class ModelHolder:
         from convert import convert
 
         self.status = f"Downloading {source} (first use)…"
-        local = resolve_model_path(source)
+        local = resolve_model_path(source, progress=self._download_progress)
         if json.loads((local / "config.json").read_text()).get("quantization"):
             return local
         self.status = f"Converting {source} to {self.quantize_bits}-bit (first use; cached in {target})…"
         convert(str(local), target, quantize=True, q_bits=self.quantize_bits, progress=self._progress)
         return target
+
+    def _download_progress(self, bar: str) -> None:
+        self.status = f"Downloading {self.source or DEFAULT_MODEL} (first use): {bar}"
 
     def _progress(self, message: str) -> None:
         self.status = f"Converting to {self.quantize_bits}-bit: {message}"

@@ -14,7 +14,7 @@ from __future__ import annotations
 import json
 import re
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -35,8 +35,13 @@ class CheckpointError(ValueError):
     """The checkpoint's files are missing, corrupt or do not match the config."""
 
 
-def resolve_model_path(path_or_repo_id: str | Path, revision: str | None = None) -> Path:
-    """A local folder as is, or a Hub repo id downloaded (or found in the cache) with huggingface_hub."""
+def resolve_model_path(
+    path_or_repo_id: str | Path, revision: str | None = None, progress: Callable[[str], None] | None = None
+) -> Path:
+    """A local folder as is, or a Hub repo id downloaded (or found in the cache) with huggingface_hub.
+
+    ``progress``, if given, receives huggingface_hub's progress bars as text while downloading
+    (the app shows them in the page); they still print to the terminal as usual."""
     path = Path(path_or_repo_id).expanduser()
     if path.is_dir():
         return path
@@ -50,13 +55,31 @@ def resolve_model_path(path_or_repo_id: str | Path, revision: str | None = None)
     from huggingface_hub.errors import HfHubHTTPError, LocalEntryNotFoundError, RepositoryNotFoundError
 
     try:
-        return Path(snapshot_download(text, revision=revision, allow_patterns=_HUB_PATTERNS))
+        tqdm_class = _reporting_tqdm(progress) if progress is not None else None
+        return Path(snapshot_download(text, revision=revision, allow_patterns=_HUB_PATTERNS, tqdm_class=tqdm_class))
     except RepositoryNotFoundError:
         raise FileNotFoundError(f"{text!r} is neither a local folder nor a Hub repository") from None
     except (LocalEntryNotFoundError, HfHubHTTPError, OSError) as e:
         raise FileNotFoundError(
             f"could not download {text!r} from the Hugging Face Hub and it is not in the local cache ({e})"
         ) from None
+
+
+def _reporting_tqdm(progress: Callable[[str], None]):
+    """A tqdm class that also hands each refreshed bar to ``progress`` as one line of text.
+
+    huggingface_hub takes a ``tqdm_class`` for its byte counters; it has no callback of its own."""
+    from tqdm.auto import tqdm
+
+    class ReportingTqdm(tqdm):
+        def display(self, msg=None, pos=None):
+            try:
+                progress(str(self).strip())
+            except Exception:  # a failing reporter must not break the download
+                pass
+            return super().display(msg, pos)
+
+    return ReportingTqdm
 
 
 def load_config(model_path: Path) -> ModelConfig:

@@ -249,3 +249,32 @@ def test_first_use_conversion_is_cached(tmp_path, monkeypatch):
     again = ModelHolder(str(source), 8).start()
     assert again.ready.wait(120) and again.engine is not None
     assert (converted / "config.json").stat().st_mtime == stamp  # not converted twice
+
+
+def test_hub_download_progress_shows_in_the_status(tmp_path, monkeypatch):
+    """A Hub id is downloaded with huggingface_hub; its byte counter reaches the page's status line."""
+    import shutil
+
+    import huggingface_hub
+    from checkpoints import build_hf_model, save_checkpoint
+
+    import app.backend
+
+    monkeypatch.setattr(app.backend, "CACHE_DIR", tmp_path / "cache")
+    source = save_checkpoint(build_hf_model("e2b"), tmp_path / "hf-e2b")
+    seen = []
+
+    def fake_snapshot_download(repo_id, tqdm_class=None, **kwargs):  # no network here: the Hub call is faked
+        bar = tqdm_class(total=2_000_000, unit="B", unit_scale=True, desc="Downloading bytes")
+        bar.update(1_000_000)
+        bar.refresh()
+        seen.append(holder.status)
+        bar.close()
+        return str(shutil.copytree(source, tmp_path / "snapshot" / repo_id))
+
+    monkeypatch.setattr(huggingface_hub, "snapshot_download", fake_snapshot_download)
+    holder = ModelHolder("someone/gemma-4-tiny", 8).start()
+    assert holder.ready.wait(120) and holder.engine is not None, holder.status
+    assert seen and seen[0].startswith("Downloading someone/gemma-4-tiny (first use): Downloading bytes")
+    assert "1.00M/2.00M" in seen[0]
+    assert (tmp_path / "cache" / "gemma-4-tiny-8bit" / "config.json").exists()
