@@ -273,7 +273,8 @@ def test_hub_download_progress_shows_in_the_status(tmp_path, monkeypatch):
         return str(shutil.copytree(source, tmp_path / "snapshot" / repo_id))
 
     monkeypatch.setattr(huggingface_hub, "snapshot_download", fake_snapshot_download)
-    holder = ModelHolder("someone/gemma-4-tiny", 8).start()
+    holder = ModelHolder("someone/gemma-4-tiny", 8)  # bound before the loading thread starts: the fake reads it
+    holder.start()
     assert holder.ready.wait(120) and holder.engine is not None, holder.status
     assert seen and seen[0].startswith("Downloading someone/gemma-4-tiny (first use): Downloading bytes")
     assert "1.00M/2.00M" in seen[0]
