@@ -119,6 +119,9 @@ def test_moe_and_towers(tmp_path):
     assert cfg["language_model.layers.0.router.proj"]["bits"] == 8
     files = tensors(out)
     assert files["language_model.layers.0.experts.switch_glu.gate_proj.weight"] == "U32"
+    # bf16 on disk, although a CPU runs the experts in float32 (down_proj, 32 wide, stays in float)
+    assert files["language_model.layers.0.experts.switch_glu.gate_proj.scales"] == "BF16"
+    assert files["language_model.layers.0.experts.switch_glu.down_proj.weight"] == "BF16"
     assert not any(k.startswith("vision_tower.") and k.endswith(".scales") for k in files)  # towers in float
     model, _ = gemma4_mlx.load(out)
     assert model(IDS).shape == (1, IDS.shape[1], 1024)
