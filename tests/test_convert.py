@@ -191,3 +191,54 @@ def test_command_line(src, tmp_path):
     again = subprocess.run([sys.executable, "-m", "convert", "--hf-path", str(src), "--mlx-path", str(out)],
                            capture_output=True, text=True, timeout=300)  # fmt: skip
     assert again.returncode == 1 and again.stderr.startswith("error:") and "--force" in again.stderr
+
+
+@pytest.fixture(scope="module")
+def mm_src(tmp_path_factory):
+    from test_multimodal import AUDIO, SMALL_VIT
+
+    hf = build_hf_model("e2b", vision_config=SMALL_VIT, audio_config=AUDIO, hidden_size_per_layer_input=32)
+    return save_checkpoint(hf, tmp_path_factory.mktemp("e2b_mm_src"))
+
+
+@pytest.mark.parametrize(
+    "opts",
+    [
+        dict(),
+        dict(dtype="float32"),
+        dict(quantize=True, q_bits=8),
+        dict(quantize=True, q_bits=4),
+        dict(quantize=True, q_bits=3, quant_recipe="mixed_3_6"),
+        dict(quantize=True, q_bits=4, q_mode="mxfp4", q_group_size=32),
+        dict(quantize=True, q_bits=4, quantize_towers=True),
+    ],
+)
+def test_computed_sizes_equal_the_written_folder(mm_src, tmp_path, opts):
+    """convert.sizes (the README's size table) computes exactly the tensor bytes convert writes."""
+    from convert.sizes import converted_bytes
+
+    from gemma4_mlx.ple import read_safetensors_header
+
+    out = convert(str(mm_src), tmp_path / "o", max_shard_gb=0.0005, progress=lambda _: None, **opts)
+    computed = converted_bytes(json.loads((mm_src / "config.json").read_text()), **opts)
+    assert computed["ple"] > 0 and computed["vision"] > 0 and computed["audio"] > 0
+    files = sorted(out.glob("*.safetensors"))
+    headers = [read_safetensors_header(f) for f in files]  # (JSON header, 8 + its length)
+    data = sum(f.stat().st_size for f in files) - sum(start for _, start in headers)
+    assert computed["total"] == data == json.loads((out / "model.safetensors.index.json").read_text())["metadata"]["total_size"]
+    assert len(files) > 1 and max(start for _, start in headers) < 64_000
+    ple = sum(e - b for h, _ in headers for k, v in h.items() if "embed_tokens_per_layer" in k for b, e in [v["data_offsets"]])
+    assert computed["ple"] == ple
+
+
+def test_size_table_of_the_real_variants(capsys):
+    from convert.sizes import converted_bytes, main, published_config
+
+    e2b = published_config("e2b")
+    ple_rows, ple_cols = 262_144, 35 * 256
+    assert converted_bytes(e2b)["ple"] == ple_rows * ple_cols * 2  # bf16, 4.70 GB
+    q4 = converted_bytes(e2b, quantize=True)
+    assert q4["ple"] == ple_rows * ple_cols * (1 + 2 * 2 / 64)  # 8-bit codes + bf16 scale and bias per 64
+    assert q4["vision"] == converted_bytes(e2b)["vision"]  # towers stay float
+    table = main(["--variants", "e2b", "31b"])
+    assert table.count("\n") == 3 and "| e2b | 5.10B |" in table and capsys.readouterr().out.strip() == table
