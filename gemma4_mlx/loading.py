@@ -203,7 +203,10 @@ def load_model(model_path: str | Path, dtype: str | None = None, lazy: bool = Fa
             for k, v in weights.items()
         }
     ple = "language_model.embed_tokens_per_layer"
-    quant_mode = (config.quantization or {}).get("mode", "affine")
+    quantization = config.quantization or {}
+    # The table's own override decides (our converter keeps it affine 8-bit under mxfp4 too).
+    ple_quant = next((v for k, v in quantization.items() if isinstance(v, dict) and rename(k) == ple), {})
+    quant_mode = ple_quant.get("mode", quantization.get("mode", "affine"))
     if lazy_ple and f"{ple}.weight" in weights and (f"{ple}.scales" not in weights or quant_mode == "affine"):
         from .ple import PLE_KEYS, map_ple_table
 
