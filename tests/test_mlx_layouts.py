@@ -13,7 +13,7 @@ import mlx.core as mx
 import numpy as np
 import pytest
 import torch
-from checkpoints import build_hf_model, save_checkpoint
+from checkpoints import build_hf_model, dequantized_reference, save_checkpoint
 from test_multimodal import LARGE_VIT, SMALL_VIT, image, messages_with, to_torch, tone
 
 import gemma4_mlx
@@ -45,21 +45,6 @@ def save_published(hf, folder):
     config.setdefault("vocab_size", config.get("text_config", config)["vocab_size"])
     (folder / "config.json").write_text(json.dumps(config, indent=2))
     return folder
-
-
-def dequantized_reference(path, src):
-    """The float model of ``src`` with every quantized weight of the folder at ``path`` dequantized:
-    what a quantized model must compute, up to float rounding."""
-    model, _ = gemma4_mlx.load(path, lazy_ple=False)
-    flat, _ = gemma4_mlx.load(src, dtype="float32", lazy_ple=False)
-    weights = []
-    for name, m in model.named_modules():
-        if "scales" in m:
-            w = mx.dequantize(m.weight, m.scales, m.get("biases"), group_size=m.group_size, bits=m.bits, mode=m.mode)
-            weights.append((name + ".weight", w.astype(mx.float32)))
-    assert weights
-    flat.load_weights(weights, strict=False)
-    return flat
 
 
 def quantized_bits(model):
