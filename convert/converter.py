@@ -12,6 +12,7 @@ import json
 import re
 import shutil
 import tempfile
+import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable
@@ -158,7 +159,12 @@ def convert(
     src = resolve_model_path(hf_path)
     load_config(src)  # a clear error for anything that is not Gemma 4, before reading weights
     # The whole PLE table in memory: it is about to be written out (and maybe quantized).
-    model = load_model(src, dtype=dtype, lazy=True, lazy_ple=False)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # the CPU expert upcast below is undone, its warning is noise here
+        model = load_model(src, dtype=dtype, lazy=True, lazy_ple=False)
+    # load_model upcasts MoE experts to float32 on a CPU (a backend limit at run time); the files
+    # must hold ``dtype`` whatever machine converts them. Every other float is ``dtype`` already.
+    model.set_dtype(getattr(mx, dtype))
     plan = None
     if quantize:
         plan = quantize_model(model, QuantizationPlan(q_bits, q_group_size, q_mode, quant_recipe, quantize_towers))

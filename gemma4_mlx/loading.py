@@ -121,6 +121,25 @@ def _layer_index(key: str) -> int | None:
     return int(m.group(1)) if m else None
 
 
+def rename(key: str) -> str:
+    """A weight (or module) name in any layout we load -> our module tree's name.
+
+    HF multimodal ``model.language_model.*``, HF text-only ``model.*``, mlx-vlm / mlx-lm ``gemma4``
+    ``language_model.model.*``; tower names (``model.vision_tower.*`` or bare ``vision_tower.*``) keep
+    their own prefix. Our names pass through unchanged.
+    """
+    if key.startswith("model.language_model."):
+        return "language_model." + key[len("model.language_model.") :]
+    if key.startswith("language_model.model."):
+        return "language_model." + key[len("language_model.model.") :]
+    if key.startswith("language_model.lm_head."):
+        return key[len("language_model.") :]
+    if key.startswith("model."):
+        rest = key[len("model.") :]
+        return rest if rest.startswith(_TOWER_PREFIXES) else "language_model." + rest
+    return key
+
+
 def sanitize(weights: dict[str, mx.array], config: ModelConfig) -> dict[str, mx.array]:
     """Map checkpoint names onto our module tree and drop what the model does not use.
 
@@ -131,16 +150,7 @@ def sanitize(weights: dict[str, mx.array], config: ModelConfig) -> dict[str, mx.
     shared = {s.index for s in text.layers if s.is_kv_shared}
     out: dict[str, mx.array] = {}
     for key, value in weights.items():
-        k = key
-        if k.startswith("model.language_model."):
-            k = "language_model." + k[len("model.language_model.") :]
-        elif k.startswith("language_model.model."):
-            k = "language_model." + k[len("language_model.model.") :]
-        elif k.startswith("language_model.lm_head."):
-            k = k[len("language_model.") :]
-        elif k.startswith("model."):
-            rest = k[len("model.") :]
-            k = rest if rest.startswith(_TOWER_PREFIXES) else "language_model." + rest
+        k = rename(key)
         if k.startswith(_TOWER_PREFIXES):
             tower = k.split(".", 1)[0]
             if (tower in ("vision_tower", "embed_vision") and config.vision_config) or (
@@ -170,13 +180,17 @@ def sanitize(weights: dict[str, mx.array], config: ModelConfig) -> dict[str, mx.
 
 
 def _quantize_like_checkpoint(model: nn.Module, quantization: dict[str, Any], weights: dict[str, mx.array]) -> None:
-    """Swap in quantized layers wherever the checkpoint holds quantized weights (mlx-lm format)."""
+    """Swap in quantized layers wherever the checkpoint holds quantized weights (mlx-lm format).
+
+    Per-module overrides in ``quantization`` are keyed by the writer's module names (ours,
+    mlx-vlm's ``language_model.model.*`` or mlx-lm's ``model.*``): they are renamed to ours first.
+    """
+    overrides = {rename(k): v for k, v in quantization.items() if isinstance(v, dict)}
 
     def predicate(path: str, module: nn.Module):
         if not hasattr(module, "to_quantized") or f"{path}.scales" not in weights:
             return False
-        override = quantization.get(path)
-        return override if isinstance(override, dict) else True
+        return overrides.get(path, True)
 
     nn.quantize(
         model,
@@ -212,7 +226,10 @@ def load_model(model_path: str | Path, dtype: str | None = None, lazy: bool = Fa
             for k, v in weights.items()
         }
     ple = "language_model.embed_tokens_per_layer"
-    quant_mode = (config.quantization or {}).get("mode", "affine")
+    quantization = config.quantization or {}
+    # The table's own override decides (our converter keeps it affine 8-bit under mxfp4 too).
+    ple_quant = next((v for k, v in quantization.items() if isinstance(v, dict) and rename(k) == ple), {})
+    quant_mode = ple_quant.get("mode", quantization.get("mode", "affine"))
     if lazy_ple and f"{ple}.weight" in weights and (f"{ple}.scales" not in weights or quant_mode == "affine"):
         from .ple import PLE_KEYS, map_ple_table
 
@@ -290,4 +307,4 @@ def load(
     return model, processor
 
 
-__all__ = ["load", "load_model", "load_config", "resolve_model_path", "sanitize", "CheckpointError", "UnsupportedModelError"]
+__all__ = ["load", "load_model", "load_config", "resolve_model_path", "rename", "sanitize", "CheckpointError", "UnsupportedModelError"]

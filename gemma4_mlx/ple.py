@@ -123,8 +123,10 @@ class MappedEmbedding:
     ``path``: the safetensors file; ``key``: the table's name in it (``<key>`` for a plain table;
     for an MLX-quantized table ``<name>.weight`` with ``<name>.scales`` and ``<name>.biases`` beside
     it, in the affine format of ``mx.quantize``, and ``group_size``/``bits`` inferred from the shapes
-    when not given). ``dtype`` casts the gathered rows of a plain table (as ``load(dtype=...)`` casts
-    loaded weights; like there, a quantized table keeps its scales' dtype).
+    when not given). ``others``: the checkpoint's other shards, searched for the scales and biases
+    when ``path`` lacks them (sharding by size can split one module's tensors across files).
+    ``dtype`` casts the gathered rows of a plain table (as ``load(dtype=...)`` casts loaded weights;
+    like there, a quantized table keeps its scales' dtype).
 
     The lookup needs the token ids on the host (``np.asarray(ids)``), so it evaluates ``ids``: that
     one sync is inherent to gathering from a file; nothing else in it waits on the device.
@@ -138,6 +140,7 @@ class MappedEmbedding:
         group_size: int | None = None,
         bits: int | None = None,
         dims: int | None = None,
+        others: list[str | Path] = (),
     ):
         self.path = Path(path)
         self.key = key
@@ -146,14 +149,24 @@ class MappedEmbedding:
         header, data_start = read_safetensors_header(self.path)
         self.weight = _MappedTensor(self.path, header, data_start, key)
         base = key[: -len(".weight")] if key.endswith(".weight") else None
-        self.quantized = base is not None and f"{base}.scales" in header
+
+        def find(name: str) -> _MappedTensor | None:
+            """``name`` from this file, else from the first of ``others`` that holds it."""
+            for f in [self.path] + [Path(o) for o in others if Path(o) != self.path]:
+                h, start = (header, data_start) if f == self.path else read_safetensors_header(f)
+                if name in h:
+                    return _MappedTensor(f, h, start, name)
+            return None
+
+        scales = find(f"{base}.scales") if base is not None else None
+        self.quantized = scales is not None
         if self.quantized:
             if self.weight.mx_dtype != mx.uint32:
                 raise ValueError(f"{key} in {self.path} has scales but is not packed uint32")
-            self.scales = _MappedTensor(self.path, header, data_start, f"{base}.scales")
-            if f"{base}.biases" not in header:
+            self.scales = scales
+            self.biases = find(f"{base}.biases")
+            if self.biases is None:
                 raise ValueError(f"{base} in {self.path} has no biases: only MLX's affine quantization can be mapped")
-            self.biases = _MappedTensor(self.path, header, data_start, f"{base}.biases")
             rows, packed = self.weight.shape
             groups = self.scales.shape[1]
             if self.scales.shape[0] != rows or self.biases.shape != self.scales.shape:
@@ -235,14 +248,12 @@ def map_ple_table(
 
     ``key_candidates`` are the table's possible names (``*.weight``); the first found is used.
     """
+    files = [Path(f) if Path(f).is_absolute() else Path(model_path) / f for f in files]
     for f in files:
-        f = Path(f)
-        if not f.is_absolute():
-            f = Path(model_path) / f
         header, _ = read_safetensors_header(f)
         for key in key_candidates:
             if key in header:
-                return MappedEmbedding(f, key, dtype=dtype, group_size=group_size, bits=bits, dims=dims)
+                return MappedEmbedding(f, key, dtype=dtype, group_size=group_size, bits=bits, dims=dims, others=files)
     return None
 
 

@@ -154,3 +154,22 @@ def to_published_form(config_path: Path) -> None:
     if "text_config" in raw:
         raw.pop("vocab_size", None)
     config_path.write_text(json.dumps(raw, indent=2))
+
+
+def dequantized_reference(path, src):
+    """The float model of ``src`` with every quantized weight of the folder at ``path`` dequantized:
+    what a quantized model must compute, up to float rounding."""
+    import mlx.core as mx
+
+    from gemma4_mlx import load
+
+    model, _ = load(path, lazy_ple=False)
+    flat, _ = load(src, dtype="float32", lazy_ple=False)
+    weights = []
+    for name, m in model.named_modules():
+        if "scales" in m:
+            w = mx.dequantize(m.weight, m.scales, m.get("biases"), group_size=m.group_size, bits=m.bits, mode=m.mode)
+            weights.append((name + ".weight", w.astype(mx.float32)))
+    assert weights
+    flat.load_weights(weights, strict=False)
+    return flat

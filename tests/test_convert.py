@@ -7,7 +7,7 @@ import sys
 import mlx.core as mx
 import numpy as np
 import pytest
-from checkpoints import build_hf_model, save_checkpoint
+from checkpoints import build_hf_model, dequantized_reference, save_checkpoint
 from safetensors import safe_open
 
 import gemma4_mlx
@@ -76,7 +76,11 @@ def test_bfloat16_matches_loading_as_bfloat16(src, tmp_path):
     ],
 )
 def test_quantized_round_trip(src, reference, tmp_path, opts, bound):
-    out = convert(str(src), tmp_path / "q", dtype="float32", quantize=True, progress=lambda _: None, **opts)
+    # Small shards split the PLE table's weight from its scales and biases: the mapped table must find them.
+    out = convert(str(src), tmp_path / "q", dtype="float32", quantize=True, max_shard_gb=0.0002, progress=lambda _: None, **opts)
+    weight_map = json.loads((out / "model.safetensors.index.json").read_text())["weight_map"]
+    ple_files = {weight_map[f"language_model.embed_tokens_per_layer.{p}"] for p in ("weight", "scales", "biases")}
+    assert len(ple_files) > 1
     cfg = json.loads((out / "config.json").read_text())["quantization"]
     assert cfg["bits"] == opts["q_bits"] and cfg["mode"] == opts.get("q_mode", "affine")
     files = tensors(out)
@@ -88,6 +92,7 @@ def test_quantized_round_trip(src, reference, tmp_path, opts, bound):
     assert ple["bits"] >= 8 and ple["mode"] == "affine"
     model, got = logits(out)
     assert model.language_model.layers[0].self_attn.q_proj.bits == opts["q_bits"]
+    assert model.language_model._mapped_ple.bits == 8  # mapped (affine 8-bit, also under mxfp4)
     # Against the original: this tiny random model is chaotic (bf16 alone moves its logits by ~6%),
     # so the bound is loose; measured 8-bit 0.09, 4-bit 0.68.
     err = rel_err(got, reference)
@@ -96,15 +101,7 @@ def test_quantized_round_trip(src, reference, tmp_path, opts, bound):
     # (PLE table loaded fully, so that it is a module here too).
     model, _ = gemma4_mlx.load(out, lazy_ple=False)
     got = np.array(model(IDS))
-    flat, _ = gemma4_mlx.load(src, dtype="float32", lazy_ple=False)
-    modules = dict(model.named_modules())
-    weights = []
-    for name, m in modules.items():
-        if "scales" in m:
-            w = mx.dequantize(m.weight, m.scales, m.get("biases"), group_size=m.group_size, bits=m.bits, mode=m.mode)
-            weights.append((name + ".weight", w.astype(mx.float32)))
-    assert weights
-    flat.load_weights(weights, strict=False)
+    flat = dequantized_reference(out, src)
     # MLX's mxfp4 matmul on this backend is not bit-faithful to the dequantized fp32 product
     # (measured 4e-3 here, amplified by the chaotic model); affine is exact to fp32 rounding.
     assert rel_err(got, np.array(flat(IDS))) < (1e-4 if opts.get("q_mode", "affine") == "affine" else 1e-2)
@@ -119,6 +116,9 @@ def test_moe_and_towers(tmp_path):
     assert cfg["language_model.layers.0.router.proj"]["bits"] == 8
     files = tensors(out)
     assert files["language_model.layers.0.experts.switch_glu.gate_proj.weight"] == "U32"
+    # bf16 on disk, although a CPU runs the experts in float32 (down_proj, 32 wide, stays in float)
+    assert files["language_model.layers.0.experts.switch_glu.gate_proj.scales"] == "BF16"
+    assert files["language_model.layers.0.experts.switch_glu.down_proj.weight"] == "BF16"
     assert not any(k.startswith("vision_tower.") and k.endswith(".scales") for k in files)  # towers in float
     model, _ = gemma4_mlx.load(out)
     assert model(IDS).shape == (1, IDS.shape[1], 1024)
@@ -188,3 +188,54 @@ def test_command_line(src, tmp_path):
     again = subprocess.run([sys.executable, "-m", "convert", "--hf-path", str(src), "--mlx-path", str(out)],
                            capture_output=True, text=True, timeout=300)  # fmt: skip
     assert again.returncode == 1 and again.stderr.startswith("error:") and "--force" in again.stderr
+
+
+@pytest.fixture(scope="module")
+def mm_src(tmp_path_factory):
+    from test_multimodal import AUDIO, SMALL_VIT
+
+    hf = build_hf_model("e2b", vision_config=SMALL_VIT, audio_config=AUDIO, hidden_size_per_layer_input=32)
+    return save_checkpoint(hf, tmp_path_factory.mktemp("e2b_mm_src"))
+
+
+@pytest.mark.parametrize(
+    "opts",
+    [
+        dict(),
+        dict(dtype="float32"),
+        dict(quantize=True, q_bits=8),
+        dict(quantize=True, q_bits=4),
+        dict(quantize=True, q_bits=3, quant_recipe="mixed_3_6"),
+        dict(quantize=True, q_bits=4, q_mode="mxfp4", q_group_size=32),
+        dict(quantize=True, q_bits=4, quantize_towers=True),
+    ],
+)
+def test_computed_sizes_equal_the_written_folder(mm_src, tmp_path, opts):
+    """convert.sizes (the README's size table) computes exactly the tensor bytes convert writes."""
+    from convert.sizes import converted_bytes
+
+    from gemma4_mlx.ple import read_safetensors_header
+
+    out = convert(str(mm_src), tmp_path / "o", max_shard_gb=0.0005, progress=lambda _: None, **opts)
+    computed = converted_bytes(json.loads((mm_src / "config.json").read_text()), **opts)
+    assert computed["ple"] > 0 and computed["vision"] > 0 and computed["audio"] > 0
+    files = sorted(out.glob("*.safetensors"))
+    headers = [read_safetensors_header(f) for f in files]  # (JSON header, 8 + its length)
+    data = sum(f.stat().st_size for f in files) - sum(start for _, start in headers)
+    assert computed["total"] == data == json.loads((out / "model.safetensors.index.json").read_text())["metadata"]["total_size"]
+    assert len(files) > 1 and max(start for _, start in headers) < 64_000
+    ple = sum(e - b for h, _ in headers for k, v in h.items() if "embed_tokens_per_layer" in k for b, e in [v["data_offsets"]])
+    assert computed["ple"] == ple
+
+
+def test_size_table_of_the_real_variants(capsys):
+    from convert.sizes import converted_bytes, main, published_config
+
+    e2b = published_config("e2b")
+    ple_rows, ple_cols = 262_144, 35 * 256
+    assert converted_bytes(e2b)["ple"] == ple_rows * ple_cols * 2  # bf16, 4.70 GB
+    q4 = converted_bytes(e2b, quantize=True)
+    assert q4["ple"] == ple_rows * ple_cols * (1 + 2 * 2 / 64)  # 8-bit codes + bf16 scale and bias per 64
+    assert q4["vision"] == converted_bytes(e2b)["vision"]  # towers stay float
+    table = main(["--variants", "e2b", "31b"])
+    assert table.count("\n") == 3 and "| e2b | 5.10B |" in table and capsys.readouterr().out.strip() == table

@@ -140,6 +140,15 @@ def test_quantized_table_gathers_dequantized_rows(tmp_path):
     assert mx.array_equal(mapped(ids), emb(ids)).item()
     with pytest.raises(Exception, match="bits|group_size|dims"):
         MappedEmbedding(path, f"{base}.weight")
+    # Sharding by size can put the scales and biases in other files than the packed weight.
+    mx.save_safetensors(str(tmp_path / "a.safetensors"), {f"{base}.scales": s, "x": mx.zeros((2,))})
+    mx.save_safetensors(str(tmp_path / "b.safetensors"), {f"{base}.weight": w})
+    mx.save_safetensors(str(tmp_path / "c.safetensors"), {f"{base}.biases": b})
+    files = [tmp_path / f"{n}.safetensors" for n in "abc"]
+    split = map_ple_table(tmp_path, files, [f"{base}.weight"], bits=8)
+    assert split.path.name == "b.safetensors" and split.quantized and mx.array_equal(split(ids), full[ids]).item()
+    with pytest.raises(ValueError, match="no biases"):
+        map_ple_table(tmp_path, files[:2], [f"{base}.weight"], bits=8)
 
 
 def test_truncated_file_is_a_clear_error(tmp_path):
