@@ -137,6 +137,26 @@ def _model_card(source: str, config: dict, plan: QuantizationPlan | None, dtype:
     )
 
 
+def cast_and_quantize(
+    model: nn.Module,
+    dtype: str = "bfloat16",
+    quantize: bool = False,
+    q_bits: int = 4,
+    q_group_size: int = 64,
+    q_mode: str = "affine",
+    quant_recipe: str | None = None,
+    quantize_towers: bool = False,
+) -> QuantizationPlan | None:
+    """Cast ``model``'s floats to ``dtype`` and, with ``quantize``, quantize it by the converter's rules:
+    the tensors :func:`convert` writes (``convert.sizes`` counts them on a lazy model). Returns the
+    applied plan, or None when nothing was quantized."""
+    _check_options(dtype, q_bits, q_group_size, q_mode, quant_recipe if quantize else None)
+    model.set_dtype(getattr(mx, dtype))
+    if not quantize:
+        return None
+    return quantize_model(model, QuantizationPlan(q_bits, q_group_size, q_mode, quant_recipe, quantize_towers))
+
+
 def convert(
     hf_path: str,
     mlx_path: str | Path,
@@ -164,12 +184,9 @@ def convert(
         model = load_model(src, dtype=dtype, lazy=True, lazy_ple=False)
     # load_model upcasts MoE experts to float32 on a CPU (a backend limit at run time); the files
     # must hold ``dtype`` whatever machine converts them. Every other float is ``dtype`` already.
-    model.set_dtype(getattr(mx, dtype))
-    plan = None
-    if quantize:
-        plan = quantize_model(model, QuantizationPlan(q_bits, q_group_size, q_mode, quant_recipe, quantize_towers))
-        for note in plan.notes:
-            progress(f"note: {note}")
+    plan = cast_and_quantize(model, dtype, quantize, q_bits, q_group_size, q_mode, quant_recipe, quantize_towers)
+    for note in plan.notes if plan else ():
+        progress(f"note: {note}")
     weights = dict(tree_flatten(model.parameters()))
     shards = _shards(weights, int(max_shard_gb * 1e9))
 

@@ -15,14 +15,13 @@ from __future__ import annotations
 
 import argparse
 
-import mlx.core as mx
 from mlx.utils import tree_flatten
 
 from gemma4_mlx.bench import VARIANTS, variant_config
 from gemma4_mlx.config import ModelConfig
 from gemma4_mlx.model import Gemma4Model
 
-from .converter import DTYPES, QuantizationPlan, _check_options, quantize_model
+from .converter import DTYPES, cast_and_quantize
 
 # Published tower configs (reference/GEMMA4.md; the fields it does not list are transformers 5.23's
 # defaults, which are the published values: patch 16, 10240 positions, 1536 audio output dims).
@@ -55,24 +54,13 @@ def _part(key: str) -> str:
     return "ple" if key.startswith("language_model.embed_tokens_per_layer.") else "text"
 
 
-def converted_bytes(
-    config: dict,
-    dtype: str = "bfloat16",
-    quantize: bool = False,
-    q_bits: int = 4,
-    q_group_size: int = 64,
-    q_mode: str = "affine",
-    quant_recipe: str | None = None,
-    quantize_towers: bool = False,
-) -> dict[str, int]:
-    """Tensor bytes that ``convert(...)`` with these options writes for a checkpoint with ``config``
-    (a ``config.json`` dict), by part: ``text`` (decoder and tied embedding), ``ple`` (the per-layer
-    embedding table), ``vision``, ``audio`` (towers with their embedders), and ``total``."""
-    _check_options(dtype, q_bits, q_group_size, q_mode, quant_recipe if quantize else None)
+def converted_bytes(config: dict, **options) -> dict[str, int]:
+    """Tensor bytes that ``convert(...)`` with these ``options`` (``dtype``, ``quantize``, ``q_bits``,
+    ``q_group_size``, ``q_mode``, ``quant_recipe``, ``quantize_towers``) writes for a checkpoint with
+    ``config`` (a ``config.json`` dict), by part: ``text`` (decoder and tied embedding), ``ple`` (the
+    per-layer embedding table), ``vision``, ``audio`` (towers with their embedders), and ``total``."""
     model = Gemma4Model(ModelConfig.from_dict(config))  # lazy: nothing is allocated
-    model.set_dtype(getattr(mx, dtype))  # as convert() leaves it before quantizing
-    if quantize:
-        quantize_model(model, QuantizationPlan(q_bits, q_group_size, q_mode, quant_recipe, quantize_towers))
+    cast_and_quantize(model, **options)  # the converter's own casting and quantization rules
     sizes = dict.fromkeys(PARTS, 0)
     for key, value in tree_flatten(model.parameters()):
         sizes[_part(key)] += value.nbytes  # from shape and dtype; the array is never evaluated
@@ -102,9 +90,9 @@ def size_table(variants: list[str] | None = None, group_size: int = 64, dtype: s
     for name in variants or list(VARIANTS):
         config = published_config(name)
         params = parameter_count(config)
-        float_ = converted_bytes(config, dtype)
-        q8 = converted_bytes(config, dtype, quantize=True, q_bits=8, q_group_size=group_size)
-        q4 = converted_bytes(config, dtype, quantize=True, q_bits=4, q_group_size=group_size)
+        float_ = converted_bytes(config, dtype=dtype)
+        q8 = converted_bytes(config, dtype=dtype, quantize=True, q_bits=8, q_group_size=group_size)
+        q4 = converted_bytes(config, dtype=dtype, quantize=True, q_bits=4, q_group_size=group_size)
         ple = f"{gb(float_['ple'])} / {gb(q8['ple'])} / {gb(q4['ple'])}" if params["ple"] else "-"
         towers = gb(float_["vision"] + float_["audio"]) + (" (vision + audio)" if params["audio"] else " (vision)")
         rows.append(
