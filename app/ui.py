@@ -202,15 +202,25 @@ def build_app(holder: ModelHolder) -> gr.Blocks:
         regen_btn.click(regenerate, [chatbot, *settings], [chatbot], api_name="regenerate", **gen)
         chatbot.retry(retry, [chatbot, *settings], [chatbot], api_visibility="private", **gen)
         chatbot.edit(edit, [chatbot, *settings], [chatbot], api_visibility="private", **gen)
-        chatbot.undo(undo_event, [chatbot], [chatbot, textbox], api_visibility="private")
-        undo_btn.click(undo, [chatbot], [chatbot, textbox], api_name="undo")
         stop_btn.click(stop, None, None, api_name="stop", queue=False)
-        clear_btn.click(lambda: [], None, [chatbot], api_name="clear")
+        # Undo and clear stop a running reply and wait in its queue: run beside it, they could be
+        # overwritten by the reply's last update, which would bring the removed messages back.
+        for trigger in (chatbot.undo, undo_btn.click, clear_btn.click):
+            trigger(stop, None, None, queue=False, api_visibility="private")
+        undone = chatbot.undo(undo_event, [chatbot], [chatbot, textbox], api_visibility="private", **gen)
+        undone_by_button = undo_btn.click(undo, [chatbot], [chatbot, textbox], api_name="undo", **gen)
+        cleared = clear_btn.click(lambda: [], None, [chatbot], api_name="clear", **gen)
         export_btn.click(export, [chatbot], [export_btn], api_name="export")
 
         # Conversations survive page reloads: the history is kept in the browser's local storage.
-        chatbot.change(lambda h: h, [chatbot], [saved], queue=False, api_visibility="private")
-        demo.load(lambda h: h, [saved], [chatbot], queue=False, api_visibility="private")
+        # The chatbot reports a change with its empty initial value as the page loads; saving that
+        # raced the restore below and could erase the saved conversation. So a change saves only a
+        # non-empty history, and the events that can empty the chat (clear, undo) save after them.
+        save = dict(queue=False, api_visibility="private")
+        chatbot.change(lambda h: h if h else gr.skip(), [chatbot], [saved], **save)
+        for emptying in (cleared, undone, undone_by_button):
+            emptying.then(lambda h: h, [chatbot], [saved], **save)
+        demo.load(lambda h: h, [saved], [chatbot], **save)
     return demo
 
 

@@ -1,6 +1,7 @@
 """The Gradio app, driven over HTTP with gradio_client (and in headless Chromium, see
 test_app_browser.py) against the tiny random demo model."""
 
+import contextlib
 import functools
 import json
 import socket
@@ -106,18 +107,26 @@ def test_regenerate_gives_the_same_greedy_reply(client):
     assert len(again) == len(history)
 
 
-def test_stop_mid_stream(demo_app, client):
-    holder, _ = demo_app
-    engine = holder.engine
+@contextlib.contextmanager
+def endless_replies(engine):
+    """Replies that only Stop (or max tokens) ends: the sampler never picks an end token."""
     original = engine.stream
     eos = list(engine.processor.eos_token_ids)
 
-    def never_ending(logprobs):  # sample anything but an end token, so only Stop can end the reply
+    def never_ending(logprobs):
         logprobs[..., eos] = -mx.inf
         return mx.argmax(logprobs, axis=-1)
 
     engine.stream = functools.partial(original, sampler=never_ending)
     try:
+        yield
+    finally:
+        engine.stream = original
+
+
+def test_stop_mid_stream(demo_app, client):
+    holder, _ = demo_app
+    with endless_replies(holder.engine):
         job = client.submit({"text": "go on forever", "files": []}, [], "", 1.0, 0.95, 64, 8000, False, 280, "", api_name="/chat")
         while len(job.outputs()) < 5:
             time.sleep(0.05)
@@ -125,8 +134,6 @@ def test_stop_mid_stream(demo_app, client):
         tic = time.time()
         history = job.result(timeout=30)[0]
         assert time.time() - tic < 10
-    finally:
-        engine.stream = original
     assert "stopped" in title(history[-1])
     generated = int(text(history[-1]).split("generation: ")[1].split(" tokens")[0])
     assert generated < 8000

@@ -1,12 +1,12 @@
 """The chat page in a real headless Chromium (Debian's, driven by Playwright): a typed message gets a
-reply that streams into the page, survives a reload, and can be retried and edited. Saves a screenshot (``GEMMA4_SCREENSHOT=path`` keeps it)."""
+reply that streams into the page, survives reloads, can be retried and edited, and stays cleared (even mid-reply). Saves a screenshot (``GEMMA4_SCREENSHOT=path`` keeps it)."""
 
 import os
 import shutil
 import time
 
 import pytest
-from test_app import launch
+from test_app import endless_replies, launch
 
 from app.backend import ModelHolder
 
@@ -47,9 +47,11 @@ def test_reply_streams_into_the_page(tmp_path):
             shot = tmp_path / "app.png"
             page.screenshot(path=str(shot))
             # The conversation survives a page reload (kept in the browser's local storage).
-            page.reload()
+            # Twice: the first restore must not erase what the second one reads.
             chat = page.locator("#chatbot")
-            chat.get_by_text("Hello Gemma! Say something.").wait_for(timeout=30_000)
+            for _ in range(2):
+                page.reload()
+                chat.get_by_text("Hello Gemma! Say something.").wait_for(timeout=60_000)
             # The retry icon under the reply answers again, in place.
             stats = lambda: chat.get_by_text("tok/s").all_inner_texts()  # noqa: E731 (times differ on every reply)
             before = stats()
@@ -63,6 +65,20 @@ def test_reply_streams_into_the_page(tmp_path):
             chat.locator("button[aria-label='Submit']").click()
             _wait_until(lambda: chat.get_by_text("An edited question").count() == 1 and len(stats()) == 1 and stats() != before)
             assert chat.get_by_text("Hello Gemma! Say something.").count() == 0
+            # Clear during a reply stops it, and the chat stays empty: the reply's last update must
+            # not bring the messages back, and a reload must not restore them.
+            with endless_replies(holder.engine):
+                box.fill("Tell me everything.")
+                box.press("Enter")
+                _wait_until(lambda: len(chat.inner_text()) > len("An edited question") + 200)  # streaming
+                page.locator("#clear").click()
+                _wait_until(lambda: chat.get_by_text("An edited question").count() == 0)
+                page.wait_for_timeout(2000)  # time for a late reply update to (wrongly) refill the chat
+                assert chat.get_by_text("Tell me everything.").count() == 0
+            page.reload()
+            page.wait_for_selector("#status:has-text('Ready')", timeout=60_000)
+            page.wait_for_timeout(2000)  # the restore is one request; time for it to (wrongly) refill the chat
+            assert chat.get_by_text("An edited question").count() == 0
             browser.close()
         assert shot.stat().st_size > 10_000
         if os.environ.get("GEMMA4_SCREENSHOT"):
