@@ -124,6 +124,24 @@ def _shards(weights: dict[str, mx.array], max_bytes: int) -> list[dict[str, mx.a
     return shards
 
 
+def write_shards(folder: Path, weights: dict[str, mx.array], max_bytes: int, progress: Callable[[str], None] = print) -> int:
+    """Save ``weights`` into ``folder`` as numbered safetensors shards of at most ``max_bytes`` (one
+    tensor may exceed it) with a ``model.safetensors.index.json``; returns the tensor bytes written."""
+    shards = _shards(weights, max_bytes)
+    weight_map, total = {}, 0
+    for i, shard in enumerate(shards, start=1):
+        name = f"model-{i:05d}-of-{len(shards):05d}.safetensors"
+        mx.save_safetensors(str(folder / name), shard, metadata={"format": "mlx"})
+        nbytes = sum(v.nbytes for v in shard.values())
+        total += nbytes
+        weight_map.update(dict.fromkeys(shard, name))
+        progress(f"[{i}/{len(shards)}] {name}: {len(shard)} tensors, {nbytes / 1e9:.2f} GB")
+    (folder / "model.safetensors.index.json").write_text(
+        json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map}, indent=2)
+    )
+    return total
+
+
 def _model_card(source: str, config: dict, plan: QuantizationPlan | None, dtype: str, total_bytes: int) -> str:
     quant = "not quantized" if plan is None else (
         f"{plan.recipe or f'{plan.bits}-bit'} {plan.mode}, group size {plan.group_size}"
@@ -188,22 +206,11 @@ def convert(
     for note in plan.notes if plan else ():
         progress(f"note: {note}")
     weights = dict(tree_flatten(model.parameters()))
-    shards = _shards(weights, int(max_shard_gb * 1e9))
 
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.partial-", dir=out.parent))
     try:
-        weight_map, total = {}, 0
-        for i, shard in enumerate(shards, start=1):
-            name = f"model-{i:05d}-of-{len(shards):05d}.safetensors"
-            mx.save_safetensors(str(tmp / name), shard, metadata={"format": "mlx"})
-            nbytes = sum(v.nbytes for v in shard.values())
-            total += nbytes
-            weight_map.update({k: name for k in shard})
-            progress(f"[{i}/{len(shards)}] {name}: {len(shard)} tensors, {nbytes / 1e9:.2f} GB")
-        (tmp / "model.safetensors.index.json").write_text(
-            json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map}, indent=2)
-        )
+        total = write_shards(tmp, weights, int(max_shard_gb * 1e9), progress)
         config = json.loads((src / "config.json").read_text())
         config.pop("quantization_config", None)
         config.pop("quantization", None)

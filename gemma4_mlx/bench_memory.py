@@ -39,7 +39,7 @@ def write_checkpoint(folder: str | Path, variant: str = "e2b", bits: int = 4, gr
     """A random, quantized ``gemma4_text`` folder with the variant's real shapes (or the text config
     ``text``), in mlx-lm's layout (``model.*`` names, per-module quantization overrides keyed alike),
     with the tiny tokenizer padded to the vocabulary."""
-    from convert.converter import QuantizationPlan, _shards, quantize_model
+    from convert.converter import QuantizationPlan, quantize_model, write_shards
 
     from .bench import variant_config
     from .config import ModelConfig
@@ -69,23 +69,10 @@ def write_checkpoint(folder: str | Path, variant: str = "e2b", bits: int = 4, gr
         del parts
     rename = lambda k: "model." + k.removeprefix("language_model.")  # noqa: E731
     weights = {rename(k): v for k, v in tree_flatten(model.parameters())}
-    shards = _shards(weights, 2_000_000_000)
-    weight_map = {}
-    for i, shard in enumerate(shards, start=1):
-        name = f"model-{i:05d}-of-{len(shards):05d}.safetensors"
-        tic = time.perf_counter()
-        mx.save_safetensors(str(folder / name), shard, metadata={"format": "mlx"})
-        weight_map.update(dict.fromkeys(shard, name))
-        progress(f"  {name}: {sum(v.nbytes for v in shard.values()) / 1e9:.2f} GB ({time.perf_counter() - tic:.0f} s)")
-        for k in shard:
-            weights[k] = None  # drop our reference; the model still holds the evaluated arrays
-    del model, weights, shards
+    write_shards(folder, weights, 2_000_000_000, progress)
+    del model, weights
     gc.collect()
     mx.clear_cache()
-    total = sum((folder / n).stat().st_size for n in set(weight_map.values()))
-    (folder / "model.safetensors.index.json").write_text(
-        json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map}, indent=2)
-    )
     config["quantization"] = {"group_size": group_size, "bits": bits, "mode": "affine",
                               **{rename(k): v for k, v in plan.overrides.items()}}  # fmt: skip
     (folder / "config.json").write_text(json.dumps(config, indent=2))

@@ -150,10 +150,14 @@ class MappedEmbedding:
         self.weight = _MappedTensor(self.path, header, data_start, key)
         base = key[: -len(".weight")] if key.endswith(".weight") else None
 
+        headers = {self.path: (header, data_start)}  # each file's header read once
+
         def find(name: str) -> _MappedTensor | None:
             """``name`` from this file, else from the first of ``others`` that holds it."""
-            for f in [self.path] + [Path(o) for o in others if Path(o) != self.path]:
-                h, start = (header, data_start) if f == self.path else read_safetensors_header(f)
+            for f in [self.path, *map(Path, others)]:
+                if f not in headers:
+                    headers[f] = read_safetensors_header(f)
+                h, start = headers[f]
                 if name in h:
                     return _MappedTensor(f, h, start, name)
             return None
