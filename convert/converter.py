@@ -190,6 +190,7 @@ def convert(
     progress: Callable[[str], None] = print,
 ) -> Path:
     """Convert ``hf_path`` (folder or Hub repo id) into an MLX folder at ``mlx_path``."""
+    # Checked again by cast_and_quantize, but here before a download or a read of the weights.
     _check_options(dtype, q_bits, q_group_size, q_mode, quant_recipe if quantize else None)
     out = Path(mlx_path).expanduser()
     if out.exists() and not force:

@@ -68,8 +68,9 @@ def resolve_model_path(
 def _reporting_tqdm(progress: Callable[[str], None]):
     """A tqdm class that also hands each refreshed bar to ``progress`` as one line of text.
 
-    huggingface_hub takes a ``tqdm_class`` for its byte counters; it has no callback of its own."""
-    from tqdm.auto import tqdm
+    huggingface_hub takes a ``tqdm_class`` for its byte counters; it has no callback of its own.
+    Built on huggingface_hub's tqdm, so that ``HF_HUB_DISABLE_PROGRESS_BARS`` still applies."""
+    from huggingface_hub.utils import tqdm
 
     class ReportingTqdm(tqdm):
         def display(self, msg=None, pos=None):
