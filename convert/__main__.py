@@ -11,8 +11,8 @@ from .converter import DTYPES, MODES, RECIPES, convert
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m convert", description="Convert a Gemma 4 checkpoint to MLX.")
     p.add_argument("--hf-path", required=True, help="local Hugging Face folder or Hub repo id")
-    p.add_argument("--mlx-path", required=True, help="output folder (refused if it exists, unless --force)")
-    p.add_argument("--force", action="store_true", help="replace an existing output folder")
+    p.add_argument("--mlx-path", required=True, help="output folder (an existing one is refused unless empty or --force)")
+    p.add_argument("--force", action="store_true", help="replace the output of an earlier conversion (never any other folder)")
     p.add_argument("--dtype", choices=DTYPES, default="bfloat16", help="dtype of unquantized weights")
     p.add_argument("-q", "--quantize", action="store_true", help="quantize linear layers and the embedding")
     p.add_argument("--q-bits", type=int, default=4, help="bits per weight (affine: 2,3,4,5,6,8)")

@@ -9,6 +9,7 @@ interrupted or failed conversion never leaves a folder that looks complete.
 from __future__ import annotations
 
 import json
+import os
 import re
 import shutil
 import tempfile
@@ -37,6 +38,86 @@ SIDE_FILES = (
 
 class ConversionError(RuntimeError):
     """The conversion could not be completed; nothing was left at the output path."""
+
+
+class OutputFolderError(FileExistsError):
+    """``--mlx-path`` names a folder that a conversion must not replace."""
+
+
+# The names a conversion writes. `--force` replaces only a folder holding nothing else: anything more
+# (a user's file, a subfolder) means the folder is not ours to delete.
+_OUTPUT_NAMES = {"config.json", "README.md", "model.safetensors.index.json", *SIDE_FILES}
+_SHARD_NAME = re.compile(r"model-\d{5}-of-\d{5}\.safetensors")
+# Temporary siblings of the output: `.NAME.partial-PID-…` (being written), `.NAME.old-PID-…` (being replaced).
+_TEMP_KINDS = ("partial", "old")
+
+
+def _is_conversion_output(folder: Path) -> tuple[bool, str]:
+    """Whether ``folder`` is what an earlier conversion wrote (and nothing else), with the reason if not."""
+    entries = sorted(folder.iterdir())
+    other = [p.name for p in entries if not (p.is_file() and (p.name in _OUTPUT_NAMES or _SHARD_NAME.fullmatch(p.name)))]
+    if other:
+        return False, f"it holds {', '.join(other[:3])}{' and more' if len(other) > 3 else ''}, which a conversion does not write"
+    try:
+        config = json.loads((folder / "config.json").read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return False, "it has no readable config.json"
+    if not isinstance(config, dict) or "mlx_dtype" not in config:
+        return False, "its config.json was not written by python -m convert"
+    return True, ""
+
+
+def check_output_folder(out: Path, src: Path | None, force: bool) -> None:
+    """Refuse an output folder that must not be written: the input checkpoint or a folder containing
+    it (always), an existing non-empty folder (without ``force``), or, with ``force``, anything but the
+    output of an earlier conversion. Raises :class:`OutputFolderError`."""
+    target = out.resolve()
+    if src is not None:
+        source = src.resolve()
+        if target == source:
+            raise OutputFolderError(f"--mlx-path {out} is the input checkpoint itself; choose another output folder")
+        if target in source.parents:
+            raise OutputFolderError(f"--mlx-path {out} contains the input checkpoint {src}; choose another output folder")
+    if not out.exists() and not out.is_symlink():
+        return
+    if not out.is_dir() or out.is_symlink():
+        raise OutputFolderError(f"--mlx-path {out} exists and is not a folder; choose another output path")
+    if not any(out.iterdir()):
+        return  # an empty folder (made beforehand, say): nothing to lose
+    if not force:
+        raise OutputFolderError(f"{out} already exists; pass --force to replace an earlier conversion there")
+    ours, why = _is_conversion_output(out)
+    if not ours:
+        raise OutputFolderError(f"--force replaces only the output of an earlier conversion, and {out} is not one: {why}")
+
+
+def _pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # someone else's process
+        return True
+    return True
+
+
+def remove_stale_temporaries(out: Path) -> list[Path]:
+    """Delete the temporary siblings of ``out`` left by conversions that were killed (their process is
+    gone); a conversion still running keeps its own. Returns what was removed."""
+    removed = []
+    pattern = re.compile(rf"\.{re.escape(out.name)}\.({'|'.join(_TEMP_KINDS)})-(\d+)-\w+")
+    if not out.parent.is_dir():
+        return removed
+    for p in out.parent.iterdir():
+        m = pattern.fullmatch(p.name)
+        if m and p.is_dir() and not p.is_symlink() and int(m.group(2)) != os.getpid() and not _pid_alive(int(m.group(2))):
+            shutil.rmtree(p, ignore_errors=True)
+            removed.append(p)
+    return removed
+
+
+def _temporary_sibling(out: Path, kind: str) -> Path:
+    return Path(tempfile.mkdtemp(prefix=f".{out.name}.{kind}-{os.getpid()}-", dir=out.parent))
 
 
 @dataclass
@@ -189,13 +270,18 @@ def convert(
     max_shard_gb: float = 5.0,
     progress: Callable[[str], None] = print,
 ) -> Path:
-    """Convert ``hf_path`` (folder or Hub repo id) into an MLX folder at ``mlx_path``."""
+    """Convert ``hf_path`` (folder or Hub repo id) into an MLX folder at ``mlx_path``.
+
+    An existing ``mlx_path`` is refused unless it is empty or, with ``force``, the output of an earlier
+    conversion (nothing else in it); the input checkpoint and folders containing it are always refused.
+    """
     # Checked again by cast_and_quantize, but here before a download or a read of the weights.
     _check_options(dtype, q_bits, q_group_size, q_mode, quant_recipe if quantize else None)
-    out = Path(mlx_path).expanduser()
-    if out.exists() and not force:
-        raise FileExistsError(f"{out} already exists; pass --force to replace it")
+    out = Path(mlx_path).expanduser().absolute()
+    local = Path(hf_path).expanduser()
+    check_output_folder(out, local if local.is_dir() else None, force)
     src = resolve_model_path(hf_path)
+    check_output_folder(out, src, force)  # a Hub download lands in the cache: never write over it
     load_config(src)  # a clear error for anything that is not Gemma 4, before reading weights
     # The whole PLE table in memory: it is about to be written out (and maybe quantized).
     with warnings.catch_warnings():
@@ -209,7 +295,9 @@ def convert(
     weights = dict(tree_flatten(model.parameters()))
 
     out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.partial-", dir=out.parent))
+    for stale in remove_stale_temporaries(out):
+        progress(f"removed {stale.name}, left by an interrupted conversion")
+    tmp = _temporary_sibling(out, "partial")
     try:
         total = write_shards(tmp, weights, int(max_shard_gb * 1e9), progress)
         config = json.loads((src / "config.json").read_text())
@@ -217,20 +305,34 @@ def convert(
         config.pop("quantization", None)
         if plan is not None:
             config["quantization"] = plan.config()
-        config["mlx_dtype"] = dtype
+        config["mlx_dtype"] = dtype  # also marks the folder as ours, for a later --force
         (tmp / "config.json").write_text(json.dumps(config, indent=2))
         for name in SIDE_FILES:
             if (src / name).exists():
                 shutil.copy2(src / name, tmp / name)
         (tmp / "README.md").write_text(_model_card(str(hf_path), config, plan, dtype, total))
-        if out.exists():
-            shutil.rmtree(out)
-        tmp.rename(out)
+        _replace(out, tmp, force)
     except BaseException as e:
         shutil.rmtree(tmp, ignore_errors=True)
         if isinstance(e, (KeyboardInterrupt, SystemExit)):
+            raise
+        if isinstance(e, OutputFolderError):
             raise
         raise ConversionError(f"conversion to {out} failed, nothing was written: {e}") from e
     progress(f"wrote {out} ({total / 1e9:.2f} GB)")
     return out
 
+
+def _replace(out: Path, new: Path, force: bool) -> None:
+    """Move the finished folder ``new`` to ``out``. An earlier output is checked once more (it may
+    have changed during the conversion) and moved aside first, so ``out`` is never half written."""
+    check_output_folder(out, None, force)
+    if out.is_dir() and any(out.iterdir()):
+        old = _temporary_sibling(out, "old")
+        out.rename(old / out.name)
+        new.rename(out)
+        shutil.rmtree(old, ignore_errors=True)
+    else:
+        if out.is_dir():
+            out.rmdir()  # empty
+        new.rename(out)

@@ -1,6 +1,7 @@
 """`python -m convert`: round trips, what gets quantized, and failures that leave nothing behind."""
 
 import json
+import os
 import subprocess
 import sys
 
@@ -11,7 +12,7 @@ from checkpoints import build_hf_model, dequantized_reference, save_checkpoint
 from safetensors import safe_open
 
 import gemma4_mlx
-from convert import ConversionError, convert
+from convert import ConversionError, OutputFolderError, convert
 
 IDS = mx.array([[2, 5, 6, 7, 300, 400, 500, 9, 10, 11, 12, 40, 41, 42, 43, 44, 45, 46, 47, 48]])
 
@@ -132,13 +133,66 @@ def test_refuses_existing_output_and_bad_options(src, tmp_path):
     (out / "keep.txt").write_text("mine")
     with pytest.raises(FileExistsError, match="--force"):
         convert(str(src), out, progress=lambda _: None)
+    # --force replaces only an earlier conversion's output: a folder holding anything else is kept.
+    with pytest.raises(OutputFolderError, match="keep.txt"):
+        convert(str(src), out, force=True, progress=lambda _: None)
     assert (out / "keep.txt").read_text() == "mine"
-    convert(str(src), out, force=True, progress=lambda _: None)
-    assert not (out / "keep.txt").exists() and (out / "config.json").exists()
+    (out / "keep.txt").unlink()
+    convert(str(src), out, progress=lambda _: None)  # an empty folder is fine
+    first = (out / "config.json").stat().st_mtime_ns
+    convert(str(src), out, force=True, dtype="float32", progress=lambda _: None)  # an earlier output: replaced
+    assert json.loads((out / "config.json").read_text())["mlx_dtype"] == "float32"
+    assert (out / "config.json").stat().st_mtime_ns != first
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["exists"]  # no temporary folder left
+    (out / "notes.txt").write_text("added by the user after converting")
+    with pytest.raises(OutputFolderError, match="notes.txt"):
+        convert(str(src), out, force=True, progress=lambda _: None)
+    assert (out / "notes.txt").exists() and (out / "config.json").exists()
     with pytest.raises(ValueError, match="bits"):
         convert(str(src), tmp_path / "x", quantize=True, q_bits=7)
     with pytest.raises(ValueError, match="group-size 32"):
         convert(str(src), tmp_path / "x", quantize=True, q_mode="mxfp4", q_bits=4, q_group_size=64)
+
+
+def test_force_never_replaces_the_input_or_a_folder_holding_it(src, tmp_path):
+    import shutil
+
+    parent = tmp_path / "models"
+    ckpt = parent / "ckpt"
+    shutil.copytree(src, ckpt)
+    (parent / "unrelated.txt").write_text("keep me")
+    before = sorted(p.name for p in ckpt.iterdir())
+    for target in (ckpt, parent, tmp_path, ckpt / ".." / "ckpt"):
+        with pytest.raises(OutputFolderError, match="input checkpoint"):
+            convert(str(ckpt), target, force=True, progress=lambda _: None)
+    # A converted folder used as input cannot be its own output either (it would pass the content check).
+    converted = convert(str(ckpt), tmp_path / "bf16", progress=lambda _: None)
+    with pytest.raises(OutputFolderError, match="input checkpoint itself"):
+        convert(str(converted), converted, force=True, quantize=True, progress=lambda _: None)
+    assert sorted(p.name for p in ckpt.iterdir()) == before and (parent / "unrelated.txt").exists()
+    assert (converted / "config.json").exists()
+    # A file, or a link to a folder, is never replaced.
+    (tmp_path / "a_file").write_text("x")
+    with pytest.raises(OutputFolderError, match="not a folder"):
+        convert(str(ckpt), tmp_path / "a_file", force=True, progress=lambda _: None)
+    (tmp_path / "link").symlink_to(converted)
+    with pytest.raises(OutputFolderError, match="not a folder"):
+        convert(str(ckpt), tmp_path / "link", force=True, progress=lambda _: None)
+
+
+def test_leftovers_of_a_killed_conversion_are_cleaned_up(src, tmp_path):
+    dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
+    dead_pid = int(dead.stdout)  # a process that has exited
+    stale = tmp_path / f".out.partial-{dead_pid}-abc123"
+    stale.mkdir()
+    (stale / "model-00001-of-00002.safetensors").write_bytes(b"half written")
+    running = tmp_path / f".out.partial-{os.getppid()}-def456"  # a conversion still running elsewhere
+    running.mkdir()
+    messages = []
+    convert(str(src), tmp_path / "out", progress=messages.append)
+    assert not stale.exists() and running.exists()
+    assert any(stale.name in m for m in messages)
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted(["out", running.name])
 
 
 def test_failures_leave_nothing_behind(src, tmp_path, monkeypatch):
