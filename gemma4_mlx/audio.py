@@ -49,7 +49,7 @@ class AudioConfig:
 
     @classmethod
     def from_dict(cls, raw: dict[str, Any]) -> "AudioConfig":
-        known, extra = split_known_keys(cls, raw)
+        known, extra = split_known_keys(cls, raw, "audio_config")
         if "subsampling_conv_channels" in known:
             known["subsampling_conv_channels"] = list(known["subsampling_conv_channels"])
         return cls(**known, extra=extra)

@@ -10,7 +10,6 @@ over 0-8000 Hz of the magnitude of a 512-point rFFT of 20 ms periodic-Hann frame
 from __future__ import annotations
 
 import inspect
-import json
 import math
 import warnings
 from pathlib import Path
@@ -18,7 +17,8 @@ from typing import Any, Sequence
 
 import numpy as np
 
-from .multimodal import MediaError
+from .config import read_json_object
+from .errors import MediaError
 
 SAMPLING_RATE = 16_000
 MAX_SAMPLES = 480_000  # 30 s: longer clips are cut, as transformers does
@@ -169,7 +169,7 @@ class AudioFeatureExtractor:
             path = folder / name
             if not path.is_file():
                 continue
-            raw = json.loads(path.read_text())
+            raw = read_json_object(path, "a processor config")
             top = {**raw, **top}
             block = raw.get("feature_extractor")
             if isinstance(block, dict):
@@ -195,6 +195,13 @@ class AudioFeatureExtractor:
         if len(audios) == 0:
             raise MediaError("no audio clips given")
         clips = [load_audio(a, sampling_rate) for a in audios]
+        for i, c in enumerate(clips, start=1):
+            if len(c) < self.min_samples:
+                ms = lambda n: f"{n / SAMPLING_RATE * 1000:.1f} ms"  # noqa: E731
+                raise MediaError(
+                    f"audio clip {i} is too short: {len(c)} samples ({ms(len(c))}) at 16 kHz; one audio token "
+                    f"needs at least {self.min_samples} samples ({ms(self.min_samples)})"
+                )
 
         limit = self.max_length
         if limit is not None and self.pad_to_multiple_of:
@@ -248,6 +255,12 @@ class AudioFeatureExtractor:
         # A frame is valid only when the last sample of its window is real audio.
         mask = real[:, np.arange(n_frames) * self.hop_length + size - 1].astype(bool)
         return log_mel.astype(np.float32) * mask[..., None], mask
+
+    @property
+    def min_samples(self) -> int:
+        """The shortest clip that gives an audio token: its first frame (after the semicausal
+        padding) must end on a real sample. Shorter clips give none, or no frame at all."""
+        return self.frame_length + 1 - self.frame_length // 2
 
     def soft_tokens(self, frame_mask: np.ndarray) -> int:
         """Soft tokens of one clip: valid frames left after the tower's two stride-2 convolutions

@@ -13,9 +13,13 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import types
+import typing
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
+
+from .errors import ConfigError, UnsupportedModelError
 
 SLIDING = "sliding_attention"
 FULL = "full_attention"
@@ -23,8 +27,6 @@ FULL = "full_attention"
 SUPPORTED_MODEL_TYPES = ("gemma4", "gemma4_text")
 
 
-class UnsupportedModelError(ValueError):
-    """The checkpoint is not a Gemma 4 model (or uses a Gemma 4 feature we do not run)."""
 
 
 @dataclass(frozen=True)
@@ -55,12 +57,51 @@ def _default_rope_parameters() -> dict[str, dict[str, Any]]:
     }
 
 
-def split_known_keys(cls, raw: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]:
-    """Split a config dict into the dataclass's fields and the rest (kept as ``extra``, not fatal)."""
+def _has_type(value: Any, hint: Any) -> bool:
+    """Whether a JSON value fits a field's annotation (int is not bool; an int fits float)."""
+    origin, args = typing.get_origin(hint), typing.get_args(hint)
+    if hint is Any:
+        return True
+    if origin in (typing.Union, types.UnionType):
+        return any(_has_type(value, a) for a in args)
+    if hint is type(None):
+        return value is None
+    if hint is bool:
+        return isinstance(value, bool)
+    if hint is int:
+        return isinstance(value, int) and not isinstance(value, bool)
+    if hint is float:
+        return isinstance(value, (int, float)) and not isinstance(value, bool)
+    if hint is str:
+        return isinstance(value, str)
+    if origin is list:
+        return isinstance(value, (list, tuple)) and all(_has_type(v, args[0]) for v in value)
+    if origin is dict:
+        return isinstance(value, dict) and all(_has_type(k, args[0]) and _has_type(v, args[1]) for k, v in value.items())
+    return True
+
+
+def split_known_keys(cls, raw: dict[str, Any], where: str = "config") -> tuple[dict[str, Any], dict[str, Any]]:
+    """Split a config dict into the dataclass's fields and the rest (kept as ``extra``, not fatal).
+
+    The known fields are checked against their annotations, so that a string ``hidden_size`` fails
+    here with its name rather than deep inside MLX. ``where`` names the dict in error messages."""
+    if not isinstance(raw, dict):
+        raise ConfigError(f"{where} must be a JSON object, not {type(raw).__name__}")
+    hints = typing.get_type_hints(cls)
     names = {f.name for f in dataclasses.fields(cls)} - {"extra"}
     known = {k: v for k, v in raw.items() if k in names}
+    for k, v in known.items():
+        if not _has_type(v, hints[k]):
+            expected = getattr(hints[k], "__name__", None) or str(hints[k]).replace("typing.", "")
+            raise ConfigError(f"{where}.{k} must be {expected}, not {v!r} ({type(v).__name__})")
     extra = {k: v for k, v in raw.items() if k not in names}
     return known, extra
+
+
+# Sizes that must be positive (a zero or negative one fails obscurely inside MLX).
+_POSITIVE_FIELDS = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
+                    "num_key_value_heads", "head_dim", "max_position_embeddings", "sliding_window")  # fmt: skip
 
 
 @dataclass
@@ -128,8 +169,11 @@ class TextConfig:
         self.layers = self._resolve_layers()
 
     @classmethod
-    def from_dict(cls, raw: dict[str, Any]) -> "TextConfig":
-        known, extra = split_known_keys(cls, raw)
+    def from_dict(cls, raw: dict[str, Any], where: str = "text_config") -> "TextConfig":
+        known, extra = split_known_keys(cls, raw, where)
+        for name in _POSITIVE_FIELDS:
+            if name in known and known[name] <= 0:
+                raise ConfigError(f"{where}.{name} must be positive, not {known[name]}")
         return cls(**known, extra=extra)
 
     def _resolve_layers(self) -> list[LayerSpec]:
@@ -196,6 +240,8 @@ class ModelConfig:
 
     @classmethod
     def from_dict(cls, raw: dict[str, Any]) -> "ModelConfig":
+        if not isinstance(raw, dict):
+            raise ConfigError(f"a config must be a JSON object, not {type(raw).__name__}")
         model_type = raw.get("model_type")
         if model_type not in SUPPORTED_MODEL_TYPES:
             archs = raw.get("architectures") or []
@@ -206,11 +252,19 @@ class ModelConfig:
             )
         raw = dict(raw)
         quantization = raw.pop("quantization", None) or raw.pop("quantization_config", None)
+        if quantization is not None and not isinstance(quantization, dict):
+            raise ConfigError(f"quantization must be a JSON object, not {type(quantization).__name__}")
         if model_type == "gemma4_text":
-            text = TextConfig.from_dict({k: v for k, v in raw.items() if k != "model_type"})
+            text = TextConfig.from_dict({k: v for k, v in raw.items() if k != "model_type"}, where="config")
             return cls(model_type=model_type, text_config=text, quantization=quantization)
 
-        text_raw = dict(raw.get("text_config") or {})
+        text_raw = raw.get("text_config") or {}
+        if not isinstance(text_raw, dict):
+            raise ConfigError(f"text_config must be a JSON object, not {type(text_raw).__name__}")
+        for tower in ("vision_config", "audio_config"):
+            if raw.get(tower) is not None and not isinstance(raw[tower], dict):
+                raise ConfigError(f"{tower} must be a JSON object or null, not {type(raw[tower]).__name__}")
+        text_raw = dict(text_raw)
         # Published configs may carry vocab_size only at the top level, or only in text_config.
         if "vocab_size" not in text_raw and "vocab_size" in raw:
             text_raw["vocab_size"] = raw["vocab_size"]
@@ -222,6 +276,9 @@ class ModelConfig:
         # transformers names the end-of-audio id `eoa_token_index`; some configs say `eoa_token_id`.
         if "eoa_token_index" in raw or "eoa_token_id" in raw:
             ids["eoa_token_id"] = raw.get("eoa_token_id", raw.get("eoa_token_index"))
+        for name, value in ids.items():
+            if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value < 0):
+                raise ConfigError(f"{name} must be a non-negative integer, not {value!r}")
         consumed = {"model_type", "text_config", "vision_config", "audio_config", "eoa_token_index", *ids}
         return cls(
             model_type=model_type,
@@ -235,14 +292,13 @@ class ModelConfig:
 
     @classmethod
     def from_file(cls, path: str | Path) -> "ModelConfig":
+        """Parse a ``config.json``; every problem with the file is an error that names it."""
         path = Path(path)
+        raw = read_json(path, what="a model config", missing=f"no config.json in {path.parent}: is this a model folder?")
         try:
-            raw = json.loads(path.read_text())
-        except FileNotFoundError:
-            raise FileNotFoundError(f"no config.json in {path.parent}: is this a model folder?") from None
-        except json.JSONDecodeError as e:
-            raise UnsupportedModelError(f"{path} is not valid JSON: {e}") from None
-        return cls.from_dict(raw)
+            return cls.from_dict(raw)
+        except ConfigError as e:
+            raise ConfigError(f"{path}: {e}") from None
 
     @property
     def eos_token_ids(self) -> list[int]:
@@ -252,3 +308,28 @@ class ModelConfig:
         if eos is None:
             return []
         return [eos] if isinstance(eos, int) else list(eos)
+
+
+def read_json_object(path: Path, what: str) -> dict[str, Any]:
+    """A JSON file that must hold an object (a processor or generation config, a weight index)."""
+    raw = read_json(path, what)
+    if not isinstance(raw, dict):
+        raise ConfigError(f"{path} must hold a JSON object ({what}), not {type(raw).__name__}")
+    return raw
+
+
+def read_json(path: Path, what: str = "JSON", missing: str | None = None) -> Any:
+    """A JSON file's value; a missing file raises ``FileNotFoundError`` (``missing`` as its message),
+    anything unreadable a :class:`ConfigError` naming the file."""
+    try:
+        data = path.read_bytes()
+    except FileNotFoundError:
+        raise FileNotFoundError(missing or f"{path} not found") from None
+    except OSError as e:
+        raise ConfigError(f"cannot read {path}: {e.strerror or e}") from None
+    try:
+        return json.loads(data.decode("utf-8"))
+    except UnicodeDecodeError as e:
+        raise ConfigError(f"{path} is not UTF-8 text (byte {e.start}): not {what}") from None
+    except json.JSONDecodeError as e:
+        raise ConfigError(f"{path} is not valid JSON: {e}") from None

@@ -19,6 +19,7 @@ import mlx.core as mx
 import numpy as np
 from mlx_lm.sample_utils import make_logits_processors, make_sampler
 
+from .errors import ContextLengthError
 from .model import check_token_ids
 
 _thread_streams = threading.local()
@@ -36,10 +37,6 @@ def generation_stream() -> mx.Stream:
 # re-exports generate/stream_generate), so runpy warns on every run of the command line. Running
 # the module body twice is harmless here; silence just that warning.
 warnings.filterwarnings("ignore", message=r"'gemma4_mlx\.generate' found in sys\.modules", category=RuntimeWarning)
-
-
-class ContextLengthError(ValueError):
-    """The prompt does not fit in the model's context window."""
 
 
 @dataclass

@@ -7,7 +7,6 @@ patches are listed row-major with (x=col, y=row) positions, zero padded to the b
 
 from __future__ import annotations
 
-import json
 import math
 from pathlib import Path
 from typing import Any
@@ -15,7 +14,8 @@ from typing import Any
 import numpy as np
 from PIL import Image, ImageOps
 
-from .multimodal import MediaError
+from .config import read_json_object
+from .errors import MediaError
 
 SUPPORTED_SOFT_TOKENS = (70, 140, 280, 560, 1120)
 _DECODE_ERRORS = (OSError, ValueError, SyntaxError, EOFError, Image.DecompressionBombError)
@@ -141,6 +141,9 @@ class ImageProcessor:
         self.do_normalize = do_normalize
         self.image_mean = np.asarray(image_mean, dtype=np.float32)
         self.image_std = np.asarray(image_std, dtype=np.float32)
+        # The vision tower's position table size (set by the Processor from the model's config): a
+        # very elongated image can need more patch positions than the tower has.
+        self.position_table_size: int | None = None
 
     load_image = staticmethod(load_image)
 
@@ -153,7 +156,7 @@ class ImageProcessor:
             path = Path(folder) / name
             if not path.is_file():
                 continue
-            raw = json.loads(path.read_text())
+            raw = read_json_object(path, "a processor config")
             block = raw.get("image_processor")
             if isinstance(block, dict):
                 settings.update(block)
@@ -196,9 +199,16 @@ class ImageProcessor:
         position_ids = np.full((len(images), max_patches, 2), -1, dtype=np.int64)
         num_soft_tokens = []
         for i, source in enumerate(images):
-            patches, positions = self._patchify(load_image(source), budget)
+            image = load_image(source)
+            patches, positions = self._patchify(image, budget)
             if len(patches) > max_patches:
-                raise MediaError(f"image {i} has {len(patches)} patches, more than the budget's {max_patches}")
+                raise MediaError(f"image {i + 1} has {len(patches)} patches, more than the budget's {max_patches}")
+            table = self.position_table_size
+            if table is not None and len(positions) and positions.max() >= table:
+                raise MediaError(
+                    f"image {i + 1} ({image.shape[1]}x{image.shape[0]} px) is too elongated for this model: it "
+                    f"spans {positions.max() + 1} patches, the vision tower has positions for {table}; crop it"
+                )
             pixel_values[i, : len(patches)] = patches
             position_ids[i, : len(patches)] = positions
             num_soft_tokens.append(len(patches) // (k * k))

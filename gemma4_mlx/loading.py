@@ -11,15 +11,15 @@
 
 from __future__ import annotations
 
-import json
 import re
-from pathlib import Path
+from pathlib import Path, PurePosixPath
 from typing import Any, Callable
 
 import mlx.core as mx
 import mlx.nn as nn
 
-from .config import ModelConfig, UnsupportedModelError
+from .config import ModelConfig, read_json_object
+from .errors import CheckpointError, ConfigError, UnsupportedModelError
 from .model import Gemma4Model
 
 _DTYPES = {"bfloat16": mx.bfloat16, "float16": mx.float16, "float32": mx.float32}
@@ -31,10 +31,6 @@ _HUB_PATTERNS = ["*.json", "*.safetensors", "*.jinja", "*.model", "*.txt", "*.md
 _TOWER_PREFIXES = ("vision_tower.", "audio_tower.", "embed_vision.", "embed_audio.", "multi_modal_projector.")
 
 
-class CheckpointError(ValueError):
-    """The checkpoint's files are missing, corrupt or do not match the config."""
-
-
 def resolve_model_path(
     path_or_repo_id: str | Path, revision: str | None = None, progress: Callable[[str], None] | None = None
 ) -> Path:
@@ -44,7 +40,8 @@ def resolve_model_path(
     (the app shows them in the page); they still print to the terminal as usual."""
     path = Path(path_or_repo_id).expanduser()
     if path.is_dir():
-        return path
+        # Absolute, so that paths built from it stay right whatever the working directory is later.
+        return path.absolute()
     if path.exists():
         raise FileNotFoundError(f"{path} is a file; pass the model folder that holds config.json")
     text = str(path_or_repo_id)
@@ -87,15 +84,29 @@ def load_config(model_path: Path) -> ModelConfig:
     return ModelConfig.from_file(model_path / "config.json")
 
 
+def _shard_name(index: Path, name: Any) -> str:
+    """A shard file name from an index, refused unless it names a file inside the model folder."""
+    if not isinstance(name, str) or not name.endswith(".safetensors"):
+        raise CheckpointError(f"{index} is not a valid safetensors index: {name!r} is not a .safetensors file name")
+    parts = PurePosixPath(name.replace("\\", "/")).parts
+    if not parts or PurePosixPath(name).is_absolute() or Path(name).is_absolute() or ".." in parts:
+        raise CheckpointError(f"{index} names the shard {name!r}, which is outside the model folder; refusing to load it")
+    return name
+
+
 def weight_files(model_path: Path) -> list[Path]:
-    """The safetensors files of a checkpoint, from its index if it has one."""
+    """The safetensors files of a checkpoint, from its index if it has one (names that would leave
+    the folder, such as ``../x.safetensors`` or absolute paths, are refused)."""
     index = model_path / "model.safetensors.index.json"
     if index.exists():
         try:
-            weight_map = json.loads(index.read_text())["weight_map"]
-        except (json.JSONDecodeError, KeyError) as e:
+            weight_map = read_json_object(index, "a safetensors index")["weight_map"]
+        except (ConfigError, KeyError) as e:
             raise CheckpointError(f"{index} is not a valid safetensors index ({e})") from None
-        files = [model_path / name for name in sorted(set(weight_map.values()))]
+        if not isinstance(weight_map, dict) or not weight_map:
+            kind = type(weight_map).__name__ if not isinstance(weight_map, dict) else "an empty object"
+            raise CheckpointError(f"{index} is not a valid safetensors index: its weight_map is {kind}, not a tensor -> file map")
+        files = [model_path / _shard_name(index, name) for name in sorted(set(map(str, weight_map.values())))]
         missing = [f.name for f in files if not f.exists()]
         if missing:
             raise CheckpointError(f"{model_path} is missing weight shards listed in its index: {', '.join(missing)}")
@@ -211,11 +222,14 @@ def load_model(model_path: str | Path, dtype: str | None = None, lazy: bool = Fa
     and only the rows of the tokens processed are read (see :mod:`gemma4_mlx.ple`);
     ``lazy_ple=False`` loads it into memory (4.7 GB for E2B in bf16) for slightly faster lookups.
     """
-    model_path = Path(model_path)
+    model_path = Path(model_path).expanduser().absolute()
     if not model_path.is_dir():
         raise FileNotFoundError(f"model folder not found: {model_path}")
     config = load_config(model_path)
-    model = Gemma4Model(config)
+    try:
+        model = Gemma4Model(config)
+    except ConfigError as e:  # a tower config with a field of the wrong type
+        raise ConfigError(f"{model_path / 'config.json'}: {e}") from None
     files = weight_files(model_path)
     weights = sanitize(read_weights(files), config)
     if dtype is not None:
@@ -236,7 +250,7 @@ def load_model(model_path: str | Path, dtype: str | None = None, lazy: bool = Fa
 
         tc = config.text_config
         mapped = map_ple_table(
-            model_path, files, PLE_KEYS, dtype=_DTYPES[dtype] if dtype else None,
+            files, PLE_KEYS, dtype=_DTYPES[dtype] if dtype else None,
             dims=tc.num_hidden_layers * tc.hidden_size_per_layer_input,
         )  # fmt: skip
         if mapped is not None:

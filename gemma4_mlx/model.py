@@ -16,13 +16,10 @@ import numpy as np
 from .audio import AudioConfig, AudioTower, encode_audio
 from .cache import make_cache
 from .config import ModelConfig
-from .multimodal import MediaError, MultimodalEmbedder
+from .errors import MediaError, TokenIdError
+from .multimodal import MultimodalEmbedder
 from .text import TextModel, softcap
 from .vision import VisionConfig, VisionTower, encode_images
-
-
-class TokenIdError(ValueError):
-    """A token id outside the model's vocabulary."""
 
 
 def check_token_ids(input_ids, vocab_size: int) -> None:

@@ -12,9 +12,7 @@ from pathlib import Path
 import mlx.core as mx
 import mlx.nn as nn
 
-
-class MediaError(ValueError):
-    """An image, audio clip or video that cannot be read, or that the model cannot take."""
+from .errors import MediaError
 
 
 class ClippableLinear(nn.Module):

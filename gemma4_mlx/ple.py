@@ -20,7 +20,7 @@ from pathlib import Path
 import mlx.core as mx
 import numpy as np
 
-from .loading import CheckpointError
+from .errors import CheckpointError
 
 # The names the table has in the layouts we load: HF multimodal, HF text-only, mlx-vlm / mlx-lm.
 PLE_KEYS = [
@@ -240,7 +240,6 @@ class MappedEmbedding:
 
 
 def map_ple_table(
-    model_path: Path,
     files: list[Path],
     key_candidates: list[str] = PLE_KEYS,
     dtype: mx.Dtype | None = None,
@@ -252,7 +251,7 @@ def map_ple_table(
 
     ``key_candidates`` are the table's possible names (``*.weight``); the first found is used.
     """
-    files = [Path(f) if Path(f).is_absolute() else Path(model_path) / f for f in files]
+    files = [Path(f) for f in files]
     for f in files:
         header, _ = read_safetensors_header(f)
         for key in key_candidates:

@@ -9,7 +9,6 @@ soft token, and returns arrays that ``model(**inputs)`` accepts.
 
 from __future__ import annotations
 
-import json
 import re
 from pathlib import Path
 from typing import Any, Iterable
@@ -17,8 +16,10 @@ from typing import Any, Iterable
 import mlx.core as mx
 import numpy as np
 
-from .config import ModelConfig
-from .multimodal import MediaError, resolve_source
+from .config import ModelConfig, read_json_object
+from .errors import ConfigError, TokenIdError
+from .errors import MediaError
+from .multimodal import resolve_source
 
 END_OF_TURN = "<turn|>"
 
@@ -58,8 +59,10 @@ class Processor:
         image_processor = audio_extractor = None
         if config.vision_config:
             from .image_processing import ImageProcessor
+            from .vision import VisionConfig
 
             image_processor = ImageProcessor.from_pretrained(model_path)
+            image_processor.position_table_size = VisionConfig.from_dict(config.vision_config).position_embedding_size
         if config.audio_config:
             from .audio_processing import AudioFeatureExtractor
 
@@ -101,10 +104,10 @@ class Processor:
         """Token ids for a raw prompt string, a list of chat messages, or ids given as is."""
         if isinstance(prompt, str):
             return self.encode(prompt)
-        if isinstance(prompt, list) and prompt and all(isinstance(t, int) for t in prompt):
-            return list(prompt)
         if isinstance(prompt, mx.array):
-            return prompt.reshape(-1).tolist()
+            prompt = prompt.reshape(-1).tolist()
+        if isinstance(prompt, (list, tuple)) and prompt and not any(isinstance(m, dict) for m in prompt):
+            return check_ids(prompt, self.config.text_config.vocab_size)
         # The template writes <bos> itself, so the rendered text is encoded without specials.
         return self.apply_chat_template(prompt, enable_thinking=enable_thinking, tokenize=True, **kwargs)
 
@@ -147,11 +150,9 @@ class Processor:
         if audio is not None:
             audio = _as_list(audio)
             self._require(self.audio_extractor, "audio")
-            out = self.audio_extractor(audio)
+            out = self.audio_extractor(audio)  # refuses clips too short for one token
             inputs["input_features"] = mx.array(out["input_features"])
             inputs["input_features_mask"] = mx.array(out["input_features_mask"])
-            if min(out["num_soft_tokens"]) == 0:
-                raise MediaError("an audio clip is too short to give any audio token (at least 0.01 s is needed)")
             expansions[self.audio_token] = [self.boa_token + self.audio_token * n + self.eoa_token for n in out["num_soft_tokens"]]
         if videos is not None:
             videos = _as_list(videos)
@@ -227,6 +228,20 @@ class Processor:
         return self.tokenizer.detokenizer
 
 
+def check_ids(ids, vocab_size: int) -> list[int]:
+    """Token ids given by a caller, as a list of ints inside ``[0, vocab_size)`` (checked in Python, so
+    that ids too large for any integer type get a clear error rather than failing inside MLX)."""
+    bad_type = next((t for t in ids if not isinstance(t, (int, np.integer)) or isinstance(t, bool)), None)
+    if bad_type is not None:
+        raise TypeError(
+            f"a prompt is a string, a list of chat messages or a list of token ids (ints); got {bad_type!r} in a list"
+        )
+    bad = next((int(t) for t in ids if not 0 <= t < vocab_size), None)
+    if bad is not None:
+        raise TokenIdError(f"token id {bad} is outside the vocabulary (0..{vocab_size - 1})")
+    return [int(t) for t in ids]
+
+
 def _as_list(x) -> list:
     if x is None:
         return []
@@ -260,9 +275,12 @@ def _eos_token_ids(model_path: Path, config: ModelConfig, tokenizer) -> set[int]
     ids = set(config.eos_token_ids)
     gen = model_path / "generation_config.json"
     if gen.exists():
-        eos = json.loads(gen.read_text()).get("eos_token_id")
+        eos = read_json_object(gen, "a generation config").get("eos_token_id")
         if eos is not None:
-            ids.update([eos] if isinstance(eos, int) else eos)
+            eos = [eos] if isinstance(eos, int) else eos
+            if not isinstance(eos, list) or not all(isinstance(i, int) and not isinstance(i, bool) and i >= 0 for i in eos):
+                raise ConfigError(f"{gen}: eos_token_id must be a token id or a list of them, not {eos!r}")
+            ids.update(eos)
     end_of_turn = tokenizer.convert_tokens_to_ids(END_OF_TURN)
     if isinstance(end_of_turn, int) and end_of_turn != tokenizer.unk_token_id:
         ids.add(end_of_turn)

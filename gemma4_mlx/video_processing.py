@@ -12,7 +12,7 @@ from pathlib import Path
 
 import numpy as np
 
-from .multimodal import MediaError
+from .errors import MediaError
 
 NUM_FRAMES = 32
 VIDEO_SOFT_TOKENS = 70  # image token budget per frame

@@ -16,6 +16,7 @@ import mlx.nn as nn
 import numpy as np
 
 from .config import split_known_keys
+from .errors import MediaError
 from .multimodal import ClippableLinear, MultimodalEmbedder
 
 _ACTIVATIONS = {"gelu_pytorch_tanh": nn.gelu_approx, "gelu": nn.gelu, "silu": nn.silu, "relu": nn.relu}
@@ -48,7 +49,7 @@ class VisionConfig:
 
     @classmethod
     def from_dict(cls, raw: dict[str, Any]) -> "VisionConfig":
-        known, extra = split_known_keys(cls, raw)
+        known, extra = split_known_keys(cls, raw, "vision_config")
         return cls(**known, extra=extra)
 
     @property
@@ -198,7 +199,7 @@ class VisionTower(nn.Module):
         if pos_np.max(initial=0) >= self.config.position_embedding_size:
             # MLX gathers do not check bounds: an out-of-table position would read garbage.
             size = self.config.position_embedding_size
-            raise ValueError(f"patch position {pos_np.max()} is outside the {size}-entry position table")
+            raise MediaError(f"an image spans {pos_np.max() + 1} patches; the vision tower has positions for {size}")
         padding = mx.array(padding_np)
 
         x = self.patch_embedder(pixel_values, mx.array(pos_np.astype(np.int32)), padding)

@@ -190,6 +190,14 @@ def test_bad_arrays_raise():
         load_audio(np.zeros((2, 3, 4), np.float32))
 
 
+@pytest.mark.parametrize("n", [1, 100, 160])
+def test_clip_shorter_than_one_token_is_refused_clearly(n):
+    # numpy's "window shape cannot be larger than input array shape" below ~100 samples, no token above.
+    with pytest.raises(MediaError, match=rf"audio clip 2 is too short: {n} samples .* at least 161 samples"):
+        AudioFeatureExtractor()([np.ones(16000, np.float32), np.zeros(n, np.float32)])
+    assert AudioFeatureExtractor()([np.zeros(161, np.float32)])["num_soft_tokens"] == [1]
+
+
 # ----------------------------------------------------------------- tower
 def randomize(hf, embedder, seed=1):
     """Non-trivial weights everywhere: transformers initialises norms to 1, per_dim_scale to 0 and

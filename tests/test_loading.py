@@ -18,6 +18,7 @@ from mlx.utils import tree_flatten
 
 import gemma4_mlx
 from checkpoints import FAMILIES, build_hf_model, save_checkpoint, text_config, to_published_form
+from gemma4_mlx.errors import ConfigError
 from gemma4_mlx.tiny import media_token_ids
 
 S, F = "sliding_attention", "full_attention"
@@ -482,6 +483,48 @@ def _garble_config(folder: Path):
     (folder / "config.json").write_text('{"model_type": "gemma4_text", ')
 
 
+def _config_is_a_list(folder: Path):
+    (folder / "config.json").write_text(json.dumps([json.loads((folder / "config.json").read_text())]))
+
+
+def _config_not_utf8(folder: Path):
+    (folder / "config.json").write_bytes(b'{"model_type": "gemma4_text", "name": "\xff\xfe"}')
+
+
+def _string_hidden_size(folder: Path):
+    edit_config(folder, hidden_size="64")
+
+
+def _zero_layers(folder: Path):
+    edit_config(folder, num_hidden_layers=0, layer_types=[])
+
+
+def _weight_map_is_a_list(folder: Path):
+    index = json.loads((folder / "model.safetensors.index.json").read_text())
+    index["weight_map"] = list(index["weight_map"].values())
+    (folder / "model.safetensors.index.json").write_text(json.dumps(index))
+
+
+def _index_not_utf8(folder: Path):
+    (folder / "model.safetensors.index.json").write_bytes(b'{"weight_map": {"a": "\xff.safetensors"}}')
+
+
+def _shard_outside_the_folder(folder: Path):
+    """An index entry pointing at a real safetensors file beside the folder."""
+    index = json.loads((folder / "model.safetensors.index.json").read_text())
+    name = sorted(set(index["weight_map"].values()))[0]
+    shutil.copy(folder / name, folder.parent / "outside.safetensors")
+    index["weight_map"] = {k: ("../outside.safetensors" if v == name else v) for k, v in index["weight_map"].items()}
+    (folder / "model.safetensors.index.json").write_text(json.dumps(index))
+
+
+def _shard_absolute_path(folder: Path):
+    index = json.loads((folder / "model.safetensors.index.json").read_text())
+    name = sorted(set(index["weight_map"].values()))[0]
+    index["weight_map"] = {k: (str(folder / v) if v == name else v) for k, v in index["weight_map"].items()}
+    (folder / "model.safetensors.index.json").write_text(json.dumps(index))
+
+
 BAD = {
     # name: (source, how to break it, exception, message fragment)
     "not_gemma4": ("single", _to_llama, gemma4_mlx.UnsupportedModelError, "'llama'"),
@@ -493,7 +536,15 @@ BAD = {
     "shape_mismatch": ("single", _wider_hidden, gemma4_mlx.CheckpointError, r"do not match its config.json: .* has shape"),
     "missing_tensor": ("single", _drop_a_tensor, gemma4_mlx.CheckpointError, r"missing 1 tensors .*layers\.0\.self_attn\.q_proj\.weight"),
     "no_config": ("single", _drop_config, FileNotFoundError, "no config.json"),
-    "garbled_config": ("single", _garble_config, gemma4_mlx.UnsupportedModelError, "not valid JSON"),
+    "garbled_config": ("single", _garble_config, gemma4_mlx.UnsupportedModelError, "config.json is not valid JSON"),
+    "config_list": ("single", _config_is_a_list, ConfigError, "config.json: a config must be a JSON object, not list"),
+    "config_not_utf8": ("single", _config_not_utf8, ConfigError, r"config.json is not UTF-8 text \(byte \d+\)"),
+    "string_hidden_size": ("single", _string_hidden_size, ConfigError, r"config.json: config.hidden_size must be int, not '64' \(str\)"),
+    "zero_layers": ("single", _zero_layers, ConfigError, "config.json: config.num_hidden_layers must be positive, not 0"),
+    "weight_map_list": ("sharded", _weight_map_is_a_list, gemma4_mlx.CheckpointError, "index.json is not a valid safetensors index: its weight_map is list"),
+    "index_not_utf8": ("sharded", _index_not_utf8, gemma4_mlx.CheckpointError, "index.json is not UTF-8 text"),
+    "shard_outside": ("sharded", _shard_outside_the_folder, gemma4_mlx.CheckpointError, r"names the shard '\.\./outside\.safetensors', which is outside the model folder"),
+    "shard_absolute": ("sharded", _shard_absolute_path, gemma4_mlx.CheckpointError, "which is outside the model folder"),
 }
 
 
@@ -517,6 +568,11 @@ def test_token_id_outside_the_vocabulary(text_loaded):
         model(mx.array([[1, -3, 5]]))
     with pytest.raises(gemma4_mlx.TokenIdError, match="99999 is outside the vocabulary"):
         list(gemma4_mlx.stream_generate(model, processor, [2, 5, 99999], max_tokens=3))
+    # Ids no integer type holds, and ids that are not ints, are named too (not a failure inside MLX).
+    with pytest.raises(gemma4_mlx.TokenIdError, match=f"{2**63} is outside the vocabulary"):
+        list(gemma4_mlx.stream_generate(model, processor, [2, 5, 2**63], max_tokens=2))
+    with pytest.raises(TypeError, match="got 5.5 in a list"):
+        list(gemma4_mlx.stream_generate(model, processor, [2, 5.5], max_tokens=2))
     # The same ids inside the vocabulary are fine.
     assert len(list(gemma4_mlx.stream_generate(model, processor, [2, 5, 999], max_tokens=2))) >= 1
 

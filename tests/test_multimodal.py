@@ -180,6 +180,10 @@ def test_bad_multimodal_input(e2b_mm, moe_mm, tmp_path):
     bad.write_bytes(b"not an image at all")
     with pytest.raises(MediaError, match="broken.png"):
         p.prepare(messages_with({"type": "image", "path": str(bad)}))
+    # An image too elongated for the vision tower's position table (128 entries here) is named.
+    table = e2b_mm.model.vision_tower.config.position_embedding_size
+    with pytest.raises(MediaError, match=rf"image 2 \(4000x2 px\) is too elongated .* positions for {table}"):
+        p.prepare(messages_with({"type": "image", "image": image(30, 30, 7)}, {"type": "image", "image": np.zeros((2, 4000, 3), np.uint8)}))
     ids = p(f"x {p.image_token}", images=[image(30, 30, 8)])["input_ids"]
     # model(ids) alone treats placeholders as padding, as transformers does; merging media checks them.
     with pytest.raises(MediaError, match="no image input"):
@@ -236,6 +240,9 @@ def test_processor_matches_hf_gemma4_processor(e2b_mm, budget, monkeypatch):
     tok = AutoTokenizer.from_pretrained(str(e2b_mm.path), extra_special_tokens=specials)
     hf = Gemma4Processor(Gemma4AudioFeatureExtractor(), Gemma4ImageProcessorPil(), tok, None)
     images = [image(300, 200, 11), image(17, 500, 12)]
+    # The thin image spans more patches than the tiny tower's 128 positions, which our processor
+    # refuses (test_bad_multimodal_input); transformers' processor does not know the tower's table.
+    monkeypatch.setattr(p.image_processor, "position_table_size", None)
     clips = [tone(2.41), tone(0.77, 200)]
     text = f"x {p.image_token} y {p.audio_token} z {p.image_token} w {p.audio_token}"
     ref = hf(text=[text], images=[images], audio=clips, max_soft_tokens=budget, return_tensors="np")

@@ -67,11 +67,11 @@ def test_map_ple_table_finds_each_layout(tmp_path):
         mx.save_safetensors(str(other), {"x": mx.zeros((3,))})
         keys = [f"model.language_model.{PLE}.weight", f"model.{PLE}.weight",
                 f"language_model.{PLE}.weight", f"language_model.model.{PLE}.weight"]  # fmt: skip
-        mapped = map_ple_table(tmp_path, [other, f], keys)
+        mapped = map_ple_table([other, f], keys)
         assert mapped is not None and mapped.key == key + f"{PLE}.weight"
         ids = mx.array([[3, 1, 3, 31]])
         assert np.array_equal(np.array(mapped(ids)), table[[3, 1, 3, 31]][None])
-    assert map_ple_table(tmp_path, [other], keys) is None
+    assert map_ple_table([other], keys) is None
 
 
 def _vm_rss_kb() -> int:
@@ -145,10 +145,10 @@ def test_quantized_table_gathers_dequantized_rows(tmp_path):
     mx.save_safetensors(str(tmp_path / "b.safetensors"), {f"{base}.weight": w})
     mx.save_safetensors(str(tmp_path / "c.safetensors"), {f"{base}.biases": b})
     files = [tmp_path / f"{n}.safetensors" for n in "abc"]
-    split = map_ple_table(tmp_path, files, [f"{base}.weight"], bits=8)
+    split = map_ple_table(files, [f"{base}.weight"], bits=8)
     assert split.path.name == "b.safetensors" and split.quantized and mx.array_equal(split(ids), full[ids]).item()
     with pytest.raises(ValueError, match="no biases"):
-        map_ple_table(tmp_path, files[:2], [f"{base}.weight"], bits=8)
+        map_ple_table(files[:2], [f"{base}.weight"], bits=8)
 
 
 def test_truncated_file_is_a_clear_error(tmp_path):
@@ -185,7 +185,7 @@ def test_truncated_table_in_a_checkpoint(e2b_checkpoint, tmp_path):
     folder = tmp_path / "cut"
     shutil.copytree(e2b_checkpoint, folder)
     f = folder / "model.safetensors"
-    mapped = map_ple_table(folder, [f], [f"model.language_model.{PLE}.weight"])
+    mapped = map_ple_table([f], [f"model.language_model.{PLE}.weight"])
     cut = mapped.weight.array.offset + 10
     del mapped
     f.write_bytes(f.read_bytes()[:cut])
