@@ -1,18 +1,13 @@
-"""Pieces shared by the vision and audio paths: clipped linears, the embedder into text space,
-media sources and the media error."""
+"""Pieces shared by the vision and audio paths: clipped linears and the embedder into text space."""
 
 from __future__ import annotations
 
 import math
-import tempfile
-import urllib.parse
-import urllib.request
-from pathlib import Path
 
 import mlx.core as mx
 import mlx.nn as nn
 
-from .errors import MediaError
+from .errors import MediaError  # noqa: F401 - documented as gemma4_mlx.multimodal.MediaError
 
 
 class ClippableLinear(nn.Module):
@@ -46,23 +41,3 @@ class MultimodalEmbedder(nn.Module):
     def __call__(self, x: mx.array) -> mx.array:
         return self.embedding_projection(mx.fast.rms_norm(x, None, self.eps))
 
-
-def resolve_source(source):
-    """A media source as the loaders take it: ``file://`` URLs become paths, ``http(s)://`` URLs are
-    downloaded to a temporary file; anything else (paths, PIL images, arrays) passes through."""
-    if not isinstance(source, str) or "://" not in source:
-        return source
-    url = urllib.parse.urlparse(source)
-    if url.scheme == "file":
-        return urllib.parse.unquote(url.path)
-    if url.scheme in ("http", "https"):
-        try:
-            with urllib.request.urlopen(source, timeout=30) as response:
-                data = response.read()
-        except OSError as e:
-            raise MediaError(f"cannot download {source}: {e}") from None
-        suffix = Path(url.path).suffix
-        with tempfile.NamedTemporaryFile(suffix=suffix, delete=False) as f:
-            f.write(data)
-        return f.name
-    raise MediaError(f"unsupported media URL scheme {url.scheme!r} in {source}")

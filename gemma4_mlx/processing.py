@@ -9,6 +9,7 @@ soft token, and returns arrays that ``model(**inputs)`` accepts.
 
 from __future__ import annotations
 
+import contextlib
 import re
 from pathlib import Path
 from typing import Any, Iterable
@@ -19,7 +20,7 @@ import numpy as np
 from .config import ModelConfig, read_json_object
 from .errors import ConfigError, TokenIdError
 from .errors import MediaError
-from .multimodal import resolve_source
+from .sources import resolve_source
 
 END_OF_TURN = "<turn|>"
 
@@ -211,12 +212,13 @@ class Processor:
         hold ``{"type": "image" | "audio" | "video", ...}`` items (collected in order and added to
         ``images``/``audio``/``videos``)."""
         if isinstance(prompt, list) and prompt and isinstance(prompt[0], dict):
-            found = collect_media(prompt)
-            images = (found["image"] + _as_list(images)) or None
-            audio = (found["audio"] + _as_list(audio)) or None
-            videos = (found["video"] + _as_list(videos)) or None
-            text = self.apply_chat_template(prompt, enable_thinking=enable_thinking, **template_kwargs)
-            return self(text, images, audio, videos, max_soft_tokens, add_special_tokens=False)
+            with contextlib.ExitStack() as downloads:  # media fetched from URLs are removed once decoded
+                found = collect_media(prompt, downloads)
+                images = (found["image"] + _as_list(images)) or None
+                audio = (found["audio"] + _as_list(audio)) or None
+                videos = (found["video"] + _as_list(videos)) or None
+                text = self.apply_chat_template(prompt, enable_thinking=enable_thinking, **template_kwargs)
+                return self(text, images, audio, videos, max_soft_tokens, add_special_tokens=False)
         if isinstance(prompt, str):
             return self(prompt, images, audio, videos, max_soft_tokens)
         if images or audio or videos:
@@ -253,8 +255,9 @@ def _as_list(x) -> list:
 _MEDIA_KEYS = {"image": ("image", "url", "path"), "audio": ("audio", "url", "path"), "video": ("video", "url", "path")}
 
 
-def collect_media(messages: list[dict[str, Any]]) -> dict[str, list]:
-    """The media items of HF-style content lists, per kind, in order of appearance."""
+def collect_media(messages: list[dict[str, Any]], downloads: contextlib.ExitStack) -> dict[str, list]:
+    """The media items of HF-style content lists, per kind, in order of appearance (``http(s)`` URLs
+    are downloaded to temporary files that ``downloads`` removes when it closes)."""
     found: dict[str, list] = {"image": [], "audio": [], "video": []}
     for message in messages:
         content = message.get("content")
@@ -266,7 +269,7 @@ def collect_media(messages: list[dict[str, Any]]) -> dict[str, list]:
                 source = next((item[k] for k in _MEDIA_KEYS[kind] if item.get(k) is not None), None)
                 if source is None:
                     raise MediaError(f"a {kind} item has no data: give it an {kind!r}, 'url' or 'path' key")
-                found[kind].append(resolve_source(source))
+                found[kind].append(resolve_source(source, downloads))
     return found
 
 

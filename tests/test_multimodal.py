@@ -1,5 +1,7 @@
 """The merged multimodal forward pass against transformers 5.23, and the multimodal processor."""
 
+from pathlib import Path
+
 import mlx.core as mx
 import numpy as np
 import pytest
@@ -252,3 +254,59 @@ def test_processor_matches_hf_gemma4_processor(e2b_mm, budget, monkeypatch):
     assert np.array_equal(np.array(ours["image_position_ids"]), ref["image_position_ids"])
     np.testing.assert_allclose(np.array(ours["input_features"]), ref["input_features"], atol=1e-5)
     assert np.array_equal(np.array(ours["input_features_mask"]), ref["input_features_mask"])
+
+
+@pytest.fixture
+def http_server(tmp_path):
+    """A local HTTP server over ``tmp_path``; ``/endless`` streams bytes with no Content-Length."""
+    import functools
+    import http.server
+    import threading
+
+    class Handler(http.server.SimpleHTTPRequestHandler):
+        def do_GET(self):
+            if self.path != "/endless":
+                return super().do_GET()
+            self.send_response(200)
+            self.end_headers()
+            try:
+                for _ in range(64):
+                    self.wfile.write(b"\0" * 65536)
+            except OSError:  # the client gave up, as it should
+                pass
+
+        def log_message(self, *args):
+            pass
+
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), functools.partial(Handler, directory=str(tmp_path)))
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    yield f"http://127.0.0.1:{server.server_address[1]}"
+    server.shutdown()
+
+
+def test_http_media_are_bounded_and_never_left_behind(e2b_mm, tmp_path, http_server, monkeypatch):
+    import tempfile
+
+    from gemma4_mlx import sources
+
+    leftovers = lambda: sorted(Path(tempfile.gettempdir()).glob("gemma4-media-*"))  # noqa: E731
+    before = leftovers()
+    img = tmp_path / "pic.png"
+    image(40, 40, 10).save(img)
+    p = e2b_mm.processor
+    by_url = p.prepare(messages_with({"type": "image", "url": f"{http_server}/pic.png"}))
+    by_path = p.prepare(messages_with({"type": "image", "path": str(img)}))
+    assert np.array_equal(np.array(by_url["pixel_values"]), np.array(by_path["pixel_values"]))
+    with pytest.raises(MediaError, match="cannot download .*missing.png"):
+        p.prepare(messages_with({"type": "image", "url": f"{http_server}/missing.png"}))
+    monkeypatch.setattr(sources, "MAX_DOWNLOAD_BYTES", 1_000_000)
+    (tmp_path / "big.png").write_bytes(b"\0" * 2_000_000)
+    with pytest.raises(MediaError, match="big.png is 2 MB, more than the 1 MB"):  # told by Content-Length
+        p.prepare(messages_with({"type": "image", "url": f"{http_server}/big.png"}))
+    with pytest.raises(MediaError, match="endless is more than the 1 MB"):  # counted while streaming
+        p.prepare(messages_with({"type": "image", "url": f"{http_server}/endless"}))
+    # A failure after the download (not an image) removes the file too.
+    (tmp_path / "text.png").write_text("not an image")
+    with pytest.raises(MediaError, match="cannot read image"):
+        p.prepare(messages_with({"type": "image", "url": f"{http_server}/text.png"}))
+    assert leftovers() == before
