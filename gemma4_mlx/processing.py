@@ -18,11 +18,18 @@ import mlx.core as mx
 import numpy as np
 
 from .config import ModelConfig, read_json_object
-from .errors import ConfigError, TokenIdError
-from .errors import MediaError
+from transformers.utils.chat_template_utils import _CONTROL_TOKEN_START, encode_marked_chat, mark_control_tokens
+
+from .errors import ConfigError, MediaError, TokenIdError
 from .sources import resolve_source
 
 END_OF_TURN = "<turn|>"
+# transformers marks control tokens found in user text as START + token + END (``mark_control_tokens``);
+# a placeholder preceded by START is user text, not a media slot.
+_UNMARKED = f"(?<!{_CONTROL_TOKEN_START})"
+# Our own private-use mark, around the number of a reply whose generated ids stand in for its text.
+REPLY_MARK = "\U000f0002"
+_REPLY_RE = re.compile(f"{REPLY_MARK}(\\d+){REPLY_MARK}")
 
 
 class Processor:
@@ -41,6 +48,7 @@ class Processor:
         )
         self.boi_token, self.eoi_token = tok(config.boi_token_id), tok(config.eoi_token_id)
         self.boa_token, self.eoa_token = tok(config.boa_token_id), tok(config.eoa_token_id)
+        self._control_re: re.Pattern | None = None
 
     @classmethod
     def from_pretrained(cls, model_path: str | Path, config: ModelConfig | None = None) -> "Processor":
@@ -89,27 +97,87 @@ class Processor:
         tokenize: bool = False,
         **kwargs,
     ) -> str | list[int]:
-        """Render chat messages with the checkpoint's template (thinking on/off via ``enable_thinking``)."""
-        if not isinstance(messages, list) or not all(isinstance(m, dict) and "role" in m for m in messages):
-            raise ValueError("messages must be a list of {'role': ..., 'content': ...} dicts")
-        text = self.tokenizer.apply_chat_template(
-            messages,
-            add_generation_prompt=add_generation_prompt,
-            enable_thinking=enable_thinking,
-            tokenize=False,
-            **kwargs,
+        """Render chat messages with the checkpoint's template (thinking on/off via ``enable_thinking``).
+
+        With ``tokenize=True`` the result is token ids in which text from the messages is plain text
+        (see :meth:`render`); the string form shows the prompt as the template writes it."""
+        if tokenize:
+            return self._encode_chat(*self.render(messages, enable_thinking, add_generation_prompt, **kwargs))
+        _check_messages(messages)
+        return self.tokenizer.apply_chat_template(
+            messages, add_generation_prompt=add_generation_prompt, enable_thinking=enable_thinking, tokenize=False, **kwargs
         )
-        return self.encode(text, add_special_tokens=False) if tokenize else text
+
+    def render(
+        self,
+        messages: list[dict[str, Any]],
+        enable_thinking: bool = False,
+        add_generation_prompt: bool = True,
+        replies: dict[str, list[int]] | None = None,
+        **kwargs,
+    ) -> tuple[str, list[list[int]]]:
+        """The chat template's output for ``messages``, marked for :meth:`_encode_chat`.
+
+        Text from the messages and from ``kwargs`` (``tools``, ...) is user text: a control token in it
+        (``<turn|>``, ``<|image|>``, ...) must reach the model as the characters typed, not as the
+        token. transformers' ``mark_control_tokens`` wraps such tokens in private-use markers before
+        rendering, so they can be told apart from the template's own tokens afterwards.
+
+        ``replies`` maps an assistant message's text to the token ids that generated it: such a
+        message is rendered as a numbered marker that encodes to those ids, so the conversation
+        re-renders exactly to the tokens the KV cache holds (re-tokenizing the text can give other
+        ids). Returns the rendered text and the id lists of the markers in it.
+        """
+        _check_messages(messages)
+        marked = mark_control_tokens(_drop_reply_marks(messages), self._control_tokens)
+        reply_ids: list[list[int]] = []
+        if replies:
+            for original, message in zip(messages, marked):
+                ids = replies.get(original["content"].strip()) if isinstance(original.get("content"), str) else None
+                if original.get("role") == "assistant" and ids is not None:
+                    message["content"] = f"{REPLY_MARK}{len(reply_ids)}{REPLY_MARK}"
+                    reply_ids.append(list(ids))
+        kwargs = mark_control_tokens(_drop_reply_marks(kwargs), self._control_tokens)
+        text = self.tokenizer.apply_chat_template(
+            marked, add_generation_prompt=add_generation_prompt, enable_thinking=enable_thinking, tokenize=False, **kwargs
+        )
+        return text, reply_ids
+
+    def _encode_chat(self, text: str, reply_ids: list[list[int]] = ()) -> list[int]:
+        """Token ids of a rendered chat (see :meth:`render`): marked control tokens as plain text (by
+        transformers' ``encode_marked_chat``), reply markers as their ids, the rest as usual."""
+        hf = self.tokenizer._tokenizer
+        parts = _REPLY_RE.split(text)  # [text, number, text, number, ..., text]
+        ids = encode_marked_chat(hf, parts[0].replace(REPLY_MARK, ""))
+        for number, part in zip(parts[1::2], parts[2::2]):
+            ids += reply_ids[int(number)]
+            part = part.replace(REPLY_MARK, "")  # a lone mark, if the template split one
+            if part:
+                # As transformers does for pieces of a chat: encode after a newline, so that a
+                # SentencePiece tokenizer adds no prefix space, then remove the newline's ids.
+                with_newline = encode_marked_chat(hf, "\n" + part)
+                newline = hf.encode("\n", add_special_tokens=False)
+                ids += with_newline[len(newline) :] if with_newline[: len(newline)] == newline else encode_marked_chat(hf, part)
+        return ids
+
+    @property
+    def _control_tokens(self) -> re.Pattern:
+        """A regex of the tokenizer's special tokens (longest first), which user text must not produce."""
+        if self._control_re is None:
+            hf = self.tokenizer._tokenizer
+            tokens = sorted((t.content for t in hf.added_tokens_decoder.values() if t.special), key=len, reverse=True)
+            self._control_re = re.compile("|".join(map(re.escape, tokens)) or "(?!)")
+        return self._control_re
 
     def prompt_ids(self, prompt: str | list[dict[str, Any]] | list[int], enable_thinking: bool = False, **kwargs) -> list[int]:
-        """Token ids for a raw prompt string, a list of chat messages, or ids given as is."""
+        """Token ids for a raw prompt string (encoded as is: control tokens typed in it are tokens),
+        a list of chat messages (their text is plain text), or ids given as is."""
         if isinstance(prompt, str):
             return self.encode(prompt)
         if isinstance(prompt, mx.array):
             prompt = prompt.reshape(-1).tolist()
         if isinstance(prompt, (list, tuple)) and prompt and not any(isinstance(m, dict) for m in prompt):
             return check_ids(prompt, self.config.text_config.vocab_size)
-        # The template writes <bos> itself, so the rendered text is encoded without specials.
         return self.apply_chat_template(prompt, enable_thinking=enable_thinking, tokenize=True, **kwargs)
 
     def __call__(
@@ -124,7 +192,8 @@ class Processor:
         """``processor(text=..., images=..., audio=..., videos=...)`` -> inputs for ``model(**inputs)``.
 
         ``text`` holds one placeholder per media item, in order (``<|image|>``, ``<|audio|>``,
-        ``<|video|>``; the chat template writes them). ``max_soft_tokens`` is the image token budget
+        ``<|video|>``; the chat template writes them); it is encoded as is, control tokens included,
+        as transformers' ``Gemma4Processor`` does. ``max_soft_tokens`` is the image token budget
         (70, 140, 280, 560 or 1120; default 280). Returns ``input_ids`` [1, L] and, per modality
         present, ``pixel_values``/``image_position_ids``, ``pixel_values_videos``/
         ``video_position_ids``, ``input_features``/``input_features_mask``.
@@ -139,29 +208,33 @@ class Processor:
                     raise ValueError("batches need texts of equal token length and no media; pass one text")
                 return {"input_ids": mx.array(ids)}
             text = texts[0]
+        inputs, expansions = self._process_media(images, audio, videos, max_soft_tokens)
+        text = self._expand(text, expansions)
+        inputs["input_ids"] = mx.array([self.encode(text, add_special_tokens)])
+        return inputs
+
+    def _process_media(self, images, audio, videos, max_soft_tokens: int | None) -> tuple[dict[str, Any], dict[str, list[str]]]:
+        """Arrays for the model, and each placeholder's expansions (one per item, in order)."""
         inputs: dict[str, Any] = {}
         expansions: dict[str, list[str]] = {}
         if images is not None:
-            images = _as_list(images)
             self._require(self.image_processor, "image")
-            out = self.image_processor(images, max_soft_tokens=max_soft_tokens)
+            out = self.image_processor(_as_list(images), max_soft_tokens=max_soft_tokens)
             inputs["pixel_values"] = mx.array(out["pixel_values"])
             inputs["image_position_ids"] = mx.array(out["image_position_ids"])
             expansions[self.image_token] = [self.boi_token + self.image_token * n + self.eoi_token for n in out["num_soft_tokens"]]
         if audio is not None:
-            audio = _as_list(audio)
             self._require(self.audio_extractor, "audio")
-            out = self.audio_extractor(audio)  # refuses clips too short for one token
+            out = self.audio_extractor(_as_list(audio))  # refuses clips too short for one token
             inputs["input_features"] = mx.array(out["input_features"])
             inputs["input_features_mask"] = mx.array(out["input_features_mask"])
             expansions[self.audio_token] = [self.boa_token + self.audio_token * n + self.eoa_token for n in out["num_soft_tokens"]]
         if videos is not None:
-            videos = _as_list(videos)
             self._require(self.image_processor, "video")
             frames, pos, texts = [], [], []
             from .video_processing import VIDEO_SOFT_TOKENS, load_video
 
-            for v in videos:
+            for v in _as_list(videos):
                 clip = load_video(v)
                 out = self.image_processor(list(clip.frames), max_soft_tokens=VIDEO_SOFT_TOKENS)
                 frames.append(out["pixel_values"])
@@ -173,9 +246,7 @@ class Processor:
             inputs["pixel_values_videos"] = mx.array(np.concatenate(frames))
             inputs["video_position_ids"] = mx.array(np.concatenate(pos))
             expansions[self.video_token] = texts
-        text = self._expand(text, expansions)
-        inputs["input_ids"] = mx.array([self.encode(text, add_special_tokens)])
-        return inputs
+        return inputs, expansions
 
     def _require(self, part, kind: str) -> None:
         if part is None:
@@ -183,19 +254,21 @@ class Processor:
             raise MediaError(f"this model has no {tower} tower: it cannot take {kind} input")
 
     def _expand(self, text: str, expansions: dict[str, list[str]]) -> str:
-        """Replace the n-th placeholder of each kind by the n-th expansion; counts must agree."""
-        for token in (self.image_token, self.audio_token, self.video_token):
+        """Replace the n-th placeholder of each kind by the n-th expansion; counts must agree.
+
+        Placeholders marked as user text (see :meth:`render`) are not placeholders: they stay text."""
+        kinds = {self.image_token: "image", self.audio_token: "audio", self.video_token: "video"}
+        for token, kind in kinds.items():
             if token is None:
                 continue
-            found = text.count(token)
+            found = len(re.findall(_UNMARKED + re.escape(token), text))
             given = len(expansions.get(token, []))
             if found != given:
-                kind = {self.image_token: "image", self.audio_token: "audio", self.video_token: "video"}[token]
                 raise MediaError(f"the prompt has {found} {kind} placeholder(s) ({token}) but {given} {kind} input(s) were given")
         if not expansions:
             return text
         queues = {k: iter(v) for k, v in expansions.items()}
-        pattern = "|".join(re.escape(t) for t in expansions)
+        pattern = "|".join(_UNMARKED + re.escape(t) for t in expansions)
         return re.sub(pattern, lambda m: next(queues[m.group(0)]), text)
 
     def prepare(
@@ -206,19 +279,23 @@ class Processor:
         videos=None,
         enable_thinking: bool = False,
         max_soft_tokens: int | None = None,
+        replies: dict[str, list[int]] | None = None,
         **template_kwargs,
     ) -> dict[str, Any]:
-        """Model inputs for a prompt: a string, token ids, or chat messages whose content lists may
-        hold ``{"type": "image" | "audio" | "video", ...}`` items (collected in order and added to
-        ``images``/``audio``/``videos``)."""
+        """Model inputs for a prompt: a string (encoded as is), token ids, or chat messages whose
+        content lists may hold ``{"type": "image" | "audio" | "video", ...}`` items (collected in
+        order and added to ``images``/``audio``/``videos``). In chat messages, text is plain text:
+        only the template's markup and real media become control tokens. ``replies``: see :meth:`render`."""
         if isinstance(prompt, list) and prompt and isinstance(prompt[0], dict):
             with contextlib.ExitStack() as downloads:  # media fetched from URLs are removed once decoded
                 found = collect_media(prompt, downloads)
                 images = (found["image"] + _as_list(images)) or None
                 audio = (found["audio"] + _as_list(audio)) or None
                 videos = (found["video"] + _as_list(videos)) or None
-                text = self.apply_chat_template(prompt, enable_thinking=enable_thinking, **template_kwargs)
-                return self(text, images, audio, videos, max_soft_tokens, add_special_tokens=False)
+                text, reply_ids = self.render(prompt, enable_thinking, replies=replies, **template_kwargs)
+                inputs, expansions = self._process_media(images, audio, videos, max_soft_tokens)
+            inputs["input_ids"] = mx.array([self._encode_chat(self._expand(text, expansions), reply_ids)])
+            return inputs
         if isinstance(prompt, str):
             return self(prompt, images, audio, videos, max_soft_tokens)
         if images or audio or videos:
@@ -228,6 +305,22 @@ class Processor:
     @property
     def detokenizer(self):
         return self.tokenizer.detokenizer
+
+
+def _check_messages(messages) -> None:
+    if not isinstance(messages, list) or not messages or not all(isinstance(m, dict) and "role" in m for m in messages):
+        raise ValueError("messages must be a non-empty list of {'role': ..., 'content': ...} dicts")
+
+
+def _drop_reply_marks(obj):
+    """User strings without any reply mark, so that none can be forged (as transformers drops its own marks)."""
+    if isinstance(obj, str):
+        return obj.replace(REPLY_MARK, "")
+    if isinstance(obj, dict):
+        return {k: _drop_reply_marks(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return [_drop_reply_marks(v) for v in obj]
+    return obj
 
 
 def check_ids(ids, vocab_size: int) -> list[int]:
