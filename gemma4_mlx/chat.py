@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import copy
 import queue
+from collections import OrderedDict
 import threading
 import time
 from dataclasses import dataclass, field
@@ -93,6 +94,10 @@ class ChatEngine:
         self.processor = processor
         model.materialize()  # it is used from the engine's own thread
         self.prompt_cache = PromptCache(model, max_snapshots)
+        # Recent replies' text -> the token ids generated for it. When a conversation comes back with
+        # one of them, it is rendered with these ids rather than its re-tokenized text, so the prompt
+        # continues exactly what the cache holds (re-tokenizing generated text often gives other ids).
+        self.replies: OrderedDict[str, list[int]] = OrderedDict()
         self._turn_start_id = processor.tokenizer.convert_tokens_to_ids("<|turn>")
         # MLX streams and in-flight arrays belong to a thread, and servers such as Gradio call each
         # step of a generator from whichever worker thread is free: all model work therefore runs
@@ -157,7 +162,9 @@ class ChatEngine:
     def _stream(self, messages: list[dict[str, Any]], o: "ReplyOptions") -> Iterator[ChatChunk]:
         tic = time.perf_counter()
         template = {"tools": o.tools} if o.tools else {}
-        inputs = self.processor.prepare(messages, enable_thinking=o.enable_thinking, max_soft_tokens=o.max_soft_tokens, **template)
+        inputs = self.processor.prepare(
+            messages, enable_thinking=o.enable_thinking, max_soft_tokens=o.max_soft_tokens, replies=self.replies, **template
+        )
         ids = inputs.pop("input_ids")[0].tolist()
         check_token_ids(self.model.text_token_ids(mx.array(ids)), self.model.text_config.vocab_size)
         context = self.model.text_config.max_position_embeddings
@@ -247,10 +254,23 @@ class ChatEngine:
                     yield ChatChunk(text, part, _copy_reply(splitter.reply), copy.copy(stats), finish if i == len(pieces) - 1 else None)
                 if finish:
                     break
+            self._remember(splitter)
         finally:
             tokens.close()
             # The decode loop runs one step ahead: the cache holds the prompt and every token fed so far.
             pc.ids = (ids + generated)[: pc.offset]
+
+    def _remember(self, splitter: ReplySplitter, keep: int = 2048) -> None:
+        """Keep the ids of a finished reply's answer, keyed by its text (the ``keep`` latest texts).
+
+        The first ids seen for a text stay: two replies with the same text (but other ids) then render
+        alike, so a conversation always renders to the same prompt, and greedy replies repeat."""
+        text = splitter.reply.content.strip()
+        if text and splitter.answer_ids and splitter.answer_ids_usable:
+            self.replies.setdefault(text, list(splitter.answer_ids))
+            self.replies.move_to_end(text)
+            while len(self.replies) > keep:
+                self.replies.popitem(last=False)
 
     def _embed_new_part(self, ids: list[int], start: int, inputs: dict) -> mx.array | None:
         """Embeddings of ``ids[start:]`` with the soft tokens of the media in that part (None when

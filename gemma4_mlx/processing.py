@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import re
+from importlib import resources
 from pathlib import Path
 from typing import Any, Iterable
 
@@ -54,8 +55,6 @@ class Processor:
     def from_pretrained(cls, model_path: str | Path, config: ModelConfig | None = None) -> "Processor":
         from mlx_lm.tokenizer_utils import load as load_tokenizer
 
-        from .tiny import bundled_chat_template
-
         model_path = Path(model_path)
         if config is None:
             config = ModelConfig.from_file(model_path / "config.json")
@@ -63,8 +62,8 @@ class Processor:
             raise FileNotFoundError(f"no tokenizer files (tokenizer.json) in {model_path}")
         tokenizer = load_tokenizer(model_path)
         if tokenizer.chat_template is None:
-            # Prefer the checkpoint's own template; fall back to the published Gemma 4 one.
-            tokenizer._tokenizer.chat_template = bundled_chat_template()
+            # Prefer the checkpoint's own template; fall back to the published one of this kind of model.
+            tokenizer._tokenizer.chat_template = published_chat_template(small=config.text_config.has_per_layer_inputs)
         image_processor = audio_extractor = None
         if config.vision_config:
             from .image_processing import ImageProcessor
@@ -305,6 +304,25 @@ class Processor:
     @property
     def detokenizer(self):
         return self.tokenizer.detokenizer
+
+
+# The 26B/31B template appends an empty reasoning channel to the generation prompt when thinking is
+# off; the E2B/E4B template is the same without it (reference/GEMMA4.md).
+_EMPTY_CHANNEL = """    {%- if not enable_thinking | default(false) -%}
+        {{- '<|channel>thought\\n<channel|>' -}}
+    {%- endif -%}
+"""
+
+
+def published_chat_template(small: bool = False) -> str:
+    """The published Gemma 4 chat template: 26B/31B's, or with ``small`` E2B/E4B's. Used when a
+    checkpoint has none."""
+    template = resources.files("gemma4_mlx").joinpath("templates/gemma4.jinja").read_text()
+    if small:
+        if _EMPTY_CHANNEL not in template:
+            raise RuntimeError("the bundled chat template changed: update _EMPTY_CHANNEL")
+        template = template.replace(_EMPTY_CHANNEL, "")
+    return template
 
 
 def _check_messages(messages) -> None:

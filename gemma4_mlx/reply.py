@@ -61,6 +61,14 @@ class ReplySplitter:
             i for i, t in getattr(hf, "added_tokens_decoder", {}).items() if getattr(t, "special", False)
         }
         self.hidden -= set(self.markers)
+        cfg = processor.config
+        # Media placeholders and their brackets must never come back into a prompt outside real media.
+        self.media_ids = {getattr(cfg, f, None) for f in ("image_token_id", "video_token_id", "audio_token_id",
+                          "boi_token_id", "eoi_token_id", "boa_token_id", "eoa_token_id")} - {None}  # fmt: skip
+        # The tokens the answer text came from, for the chat engine to reuse as they are when the
+        # conversation is rendered again (re-tokenizing the text can give other ids).
+        self.answer_ids: list[int] = []
+        self.answer_ids_usable = True  # False once the answer holds text that is not from answer_ids
         self.detokenizer = processor.detokenizer
         self.detokenizer.reset()
         self.part = ANSWER
@@ -72,6 +80,8 @@ class ReplySplitter:
         """Add one generated token (not an end token); returns the part it belongs to and its text."""
         marker = self.markers.get(token)
         if marker is None:
+            if self.part == ANSWER and token not in self.media_ids:
+                self.answer_ids.append(token)
             if token in self.hidden and self.part != TOOL_CALL:
                 return self.part, ""
             if self.part == TOOL_CALL:
@@ -98,6 +108,7 @@ class ReplySplitter:
         if self.part == TOOL_CALL and self._call_tokens:
             raw = self.processor.decode(self._call_tokens)
             self.reply.content += raw
+            self.answer_ids_usable = False
             return ANSWER, raw
         return part, text
 

@@ -9,8 +9,9 @@ chat template, the stop tokens and the streaming detokenizer behave as with a re
 
 from __future__ import annotations
 
-from importlib import resources
 from pathlib import Path
+
+from .processing import published_chat_template
 
 # Special tokens at the ids the published Gemma 4 vocabulary uses.
 SPECIAL_TOKENS = {
@@ -87,11 +88,6 @@ def build_tokenizer_object(vocab_size: int | None = None):
     return tok
 
 
-def bundled_chat_template() -> str:
-    """The published Gemma 4 (26B/31B) chat template, used when a checkpoint has none."""
-    return resources.files("gemma4_mlx").joinpath("templates/gemma4.jinja").read_text()
-
-
 def write_tokenizer(folder: str | Path, chat_template: str | None = None, vocab_size: int | None = None) -> int:
     """Write tokenizer files (and the chat template) into ``folder``; returns the vocabulary size."""
     from transformers import PreTrainedTokenizerFast
@@ -106,7 +102,7 @@ def write_tokenizer(folder: str | Path, chat_template: str | None = None, vocab_
         mask_token="<mask>",
         add_bos_token=True,
     )
-    fast.chat_template = chat_template if chat_template is not None else bundled_chat_template()
+    fast.chat_template = chat_template if chat_template is not None else published_chat_template()
     fast.save_pretrained(str(folder))
     return tok.get_vocab_size()
 
@@ -148,7 +144,7 @@ def build_demo_checkpoint(folder: str | Path, seed: int = 0) -> Path:
 
     folder = Path(folder)
     folder.mkdir(parents=True, exist_ok=True)
-    vocab = write_tokenizer(folder)
+    vocab = write_tokenizer(folder, chat_template=published_chat_template(small=True))  # E2B-shaped
     text = {**DEMO_TEXT, "vocab_size": vocab, "vocab_size_per_layer_input": vocab}
     raw = {"model_type": "gemma4", "architectures": ["Gemma4ForConditionalGeneration"], "text_config": text,
            "vision_config": DEMO_VISION, "audio_config": DEMO_AUDIO, "eos_token_id": [1, 106], **media_token_ids()}  # fmt: skip

@@ -33,9 +33,12 @@ def _converse(engine: ChatEngine, turns, reuse: bool, **options):
     template = {k: v for k, v in options.items() if k == "enable_thinking"}
     messages, replies, stats = [], [], []
     for turn in turns:
-        # What this turn must at least reuse: the conversation before the previous reply.
-        history = engine.processor.apply_chat_template(messages[:-1], add_generation_prompt=False, **template) if messages else ""
-        engine.history_tokens = len(engine.processor.encode(history, add_special_tokens=False)) if history else 0
+        # What this turn must at least reuse: the conversation before the previous reply (as the engine
+        # renders it: earlier replies as the ids that generated them).
+        history = messages[:-1] and engine.processor.apply_chat_template(
+            messages[:-1], add_generation_prompt=False, tokenize=True, replies=engine.replies, **template
+        )
+        engine.history_tokens = len(history)
         messages.append({"role": "user", "content": turn})
         chunks = list(engine.stream(messages, max_tokens=6, temperature=0.0, reuse=reuse, **options))
         reply = chunks[-1].reply
@@ -74,7 +77,9 @@ def test_regenerate_and_edit_rewind_through_snapshots(family_model):
     assert again.stats.reused_tokens >= again.stats.prompt_tokens - len(generation_prompt) - 1
     messages[-1] = {"role": "user", "content": TURNS[2]}  # edit the last message
     edited = list(engine.stream(messages, max_tokens=6))[-1]
-    fresh = list(ChatEngine(model, processor).stream(messages, max_tokens=6))[-1]
+    fresh_engine = ChatEngine(model, processor)
+    fresh_engine.replies.update(engine.replies)  # the same prompt: earlier replies as their generated ids
+    fresh = list(fresh_engine.stream(messages, max_tokens=6))[-1]
     assert edited.reply.content == fresh.reply.content
     assert edited.stats.reused_tokens > 0
 
@@ -240,3 +245,29 @@ def test_stop_during_prefill_keeps_the_cache_consistent(family_model):
     fresh = list(ChatEngine(model, processor).stream(messages, max_tokens=5))[-1]
     assert resumed.stats.reused_tokens == held
     assert resumed.reply.content == fresh.reply.content
+
+
+def test_replies_come_back_as_the_ids_that_generated_them(tmp_path):
+    """A later turn prefills only its new message, even when the replies' text does not re-tokenize
+    to the ids the model generated (an E2B-style template, which keeps no empty reasoning channel)."""
+    from gemma4_mlx.tiny import build_demo_checkpoint
+
+    model, processor = gemma4_mlx.load(build_demo_checkpoint(tmp_path / "demo"))
+    media = [model.config.image_token_id, model.config.audio_token_id, model.config.video_token_id]
+    avoid = mx.zeros((model.text_config.vocab_size,)).at[mx.array(media)].add(-mx.inf)
+    mx.eval(avoid)  # made here, used on the engine's thread
+    sampler = lambda logprobs: mx.random.categorical(logprobs + avoid)  # noqa: E731 (no media tokens in replies)
+    engine = ChatEngine(model, processor)
+    messages, retokenized_differently = [], 0
+    for i, turn in enumerate(TURNS):
+        messages.append({"role": "user", "content": turn})
+        held = list(engine.prompt_cache.ids)  # the previous prompt and the tokens generated after it
+        reply = list(engine.stream(messages, max_tokens=12, sampler=sampler, seed=i))[-1]
+        prompt = processor.prepare(messages[:-1] + [messages[-1]], replies=engine.replies)["input_ids"][0].tolist()
+        if i:
+            assert prompt[: len(held)] == held  # the new prompt continues exactly what the cache holds
+            assert reply.stats.reused_tokens == len(held) and reply.stats.prompt_tokens == len(prompt)
+        ids = engine.replies[reply.reply.content.strip()]
+        retokenized_differently += processor.encode(reply.reply.content.strip(), add_special_tokens=False) != ids
+        messages.append(reply.reply.as_message())
+    assert retokenized_differently  # else this test would pass without keeping the generated ids
