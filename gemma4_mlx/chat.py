@@ -13,11 +13,13 @@ media encoders run only on media in that new part. :class:`Chat` keeps the messa
 
 from __future__ import annotations
 
+import atexit
 import copy
 import queue
-from collections import OrderedDict
 import threading
 import time
+import weakref
+from collections import OrderedDict
 from dataclasses import dataclass, field
 from typing import Any, Callable, Iterator
 
@@ -104,6 +106,10 @@ class ChatEngine:
         # on one thread of ours, one reply at a time (the cache is shared), fed through a queue.
         self._jobs: queue.Queue = queue.Queue()
         self._worker: threading.Thread | None = None
+        self._running: set[threading.Event] = set()  # stop events of the replies being generated
+        # The thread holds only the queue, so an engine nobody uses is freed, and its thread ends.
+        weakref.finalize(self, self._jobs.put, None)
+        _ENGINES.add(self)
 
     def stream(self, messages: list[dict[str, Any]], **options) -> Iterator[ChatChunk]:
         """Stream the model's reply to ``messages`` (HF-style chat messages; content lists may hold
@@ -111,7 +117,7 @@ class ChatEngine:
         :class:`ReplyOptions`. Setting ``stop_event`` (or closing the iterator) stops generation
         after the current token."""
         opts = ReplyOptions(**options)
-        opts.stop_event = opts.stop_event or threading.Event()
+        opts.stop_event = stop = opts.stop_event or threading.Event()
         out: queue.Queue = queue.Queue()
 
         def job():
@@ -121,8 +127,10 @@ class ChatEngine:
             except BaseException as e:  # handed to the caller's thread
                 out.put(_Failure(e))
             finally:
+                self._running.discard(stop)
                 out.put(_DONE)
 
+        self._running.add(stop)
         self._submit(job)
         finished = False
         try:
@@ -151,13 +159,20 @@ class ChatEngine:
 
     def _submit(self, job) -> None:
         if self._worker is None or not self._worker.is_alive():
-            self._worker = threading.Thread(target=self._work, name="gemma4-chat-engine", daemon=True)
+            self._worker = threading.Thread(target=_work, args=(self._jobs,), name="gemma4-chat-engine", daemon=True)
             self._worker.start()
         self._jobs.put(job)
 
-    def _work(self) -> None:
-        while True:
-            self._jobs.get()()
+    def close(self, timeout: float = 60.0) -> None:
+        """Stop the replies in progress (after their current token or prefill chunk) and end the
+        engine's thread; a later :meth:`stream` starts a new one. Done for every engine at exit:
+        a thread still running MLX work when the interpreter ends would abort the process."""
+        for stop in list(self._running):
+            stop.set()
+        worker = self._worker
+        if worker is not None and worker.is_alive() and worker is not threading.current_thread():
+            self._jobs.put(None)
+            worker.join(timeout)
 
     def _stream(self, messages: list[dict[str, Any]], o: "ReplyOptions") -> Iterator[ChatChunk]:
         tic = time.perf_counter()
@@ -295,6 +310,22 @@ class ChatEngine:
         tok = self.processor.tokenizer
         i = tok.convert_tokens_to_ids("<|tool_response>")
         return {i} if isinstance(i, int) and i != tok.unk_token_id else set()
+
+
+def _work(jobs: queue.Queue) -> None:
+    """An engine's thread: run its jobs in order until it is closed (None)."""
+    while (job := jobs.get()) is not None:
+        job()
+        del job  # the finished job refers to its engine: let the engine go while this thread waits
+
+
+_ENGINES: "weakref.WeakSet[ChatEngine]" = weakref.WeakSet()
+
+
+@atexit.register
+def _close_engines() -> None:
+    for engine in list(_ENGINES):
+        engine.close()
 
 
 def _merge(chunks: list[ChatChunk]) -> list[ChatChunk]:

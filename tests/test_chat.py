@@ -271,3 +271,56 @@ def test_replies_come_back_as_the_ids_that_generated_them(tmp_path):
         retokenized_differently += processor.encode(reply.reply.content.strip(), add_special_tokens=False) != ids
         messages.append(reply.reply.as_message())
     assert retokenized_differently  # else this test would pass without keeping the generated ids
+
+
+LEAVE_EARLY = """
+import sys, gemma4_mlx
+chat = gemma4_mlx.Chat.load(sys.argv[1])
+how = sys.argv[2]
+stream = chat.send("tell me a long story", max_tokens=100000)
+if how == "break":
+    for i, _ in enumerate(stream):
+        if i == 3:
+            break
+elif how == "raise":
+    try:
+        for i, _ in enumerate(stream):
+            if i == 3:
+                raise RuntimeError("the caller failed")
+    except RuntimeError as e:
+        kept = e  # the traceback keeps the stream alive until exit
+else:  # "keep": a stream left open, generating on the engine's thread
+    next(stream)
+    next(stream)
+print("leaving")
+"""
+
+
+@pytest.mark.parametrize("how", ["break", "raise", "keep"])
+def test_leaving_a_reply_early_then_exiting_is_clean(tmp_path, how):
+    """The engine's thread is stopped and joined at exit: a thread still in MLX work when the
+    interpreter ends aborts the process ("terminate called without an active exception", rc 134)."""
+    import subprocess
+    import sys
+
+    from gemma4_mlx.tiny import build_demo_checkpoint
+
+    folder = build_demo_checkpoint(tmp_path / "demo")
+    run = subprocess.run([sys.executable, "-c", LEAVE_EARLY, str(folder), how], capture_output=True, text=True, timeout=300)
+    assert run.returncode == 0, run.stderr[-2000:]
+    assert run.stdout.strip() == "leaving" and "terminate called" not in run.stderr
+
+
+def test_an_unused_engine_is_freed_with_its_thread(family_model):
+    import gc
+    import weakref
+
+    model, processor = family_model
+    engine = ChatEngine(model, processor)
+    list(engine.stream([{"role": "user", "content": "hi"}], max_tokens=2))
+    thread, ref = engine._worker, weakref.ref(engine)
+    del engine
+    gc.collect()
+    assert ref() is None
+    thread.join(10)
+    assert not thread.is_alive()
