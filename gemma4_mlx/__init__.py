@@ -7,10 +7,11 @@
 """
 
 from .chat import Chat, ChatEngine, ReplyOptions
-from .config import LayerSpec, ModelConfig, TextConfig, UnsupportedModelError
-from .generate import ContextLengthError, GenerationChunk, generate, stream_generate
-from .loading import CheckpointError, load, load_model
-from .model import Gemma4Model, TokenIdError
+from .config import LayerSpec, ModelConfig, TextConfig
+from .errors import CheckpointError, ConfigError, ContextLengthError, MediaError, OptionError, TokenIdError, UnsupportedModelError
+from .generate import GenerationChunk, generate, stream_generate
+from .loading import load, load_model
+from .model import Gemma4Model
 from .processing import Processor
 
 __version__ = "0.1.0"
@@ -30,7 +31,10 @@ __all__ = [
     "TextConfig",
     "LayerSpec",
     "CheckpointError",
+    "ConfigError",
     "ContextLengthError",
+    "MediaError",
+    "OptionError",
     "TokenIdError",
     "UnsupportedModelError",
 ]

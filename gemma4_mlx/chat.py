@@ -29,6 +29,7 @@ from mlx_lm.sample_utils import make_logits_processors, make_sampler
 
 from .generate import ContextLengthError, generate_tokens, generation_stream, prefill
 from .model import check_token_ids
+from .options import check_generation_options
 from .prompt_cache import PromptCache
 from .reply import Reply, ReplySplitter
 
@@ -75,6 +76,12 @@ class ReplyOptions:
     stop_event: threading.Event | None = None
     prefill_step_size: int = 2048
     sampler: Callable[[mx.array], mx.array] | None = None  # replaces the one made from the options above
+
+    def __post_init__(self):
+        check_generation_options(
+            self.max_tokens, self.temperature, self.top_p, self.top_k, self.min_p, self.repetition_penalty,
+            seed=self.seed, prefill_step_size=self.prefill_step_size, max_soft_tokens=self.max_soft_tokens,
+        )  # fmt: skip
 
 
 @dataclass
@@ -375,6 +382,7 @@ class Chat:
         self.engine = engine or ChatEngine(model, processor)
         self.system = system
         self.messages: list[dict[str, Any]] = []
+        ReplyOptions(**options)  # bad options fail here, not at the first reply
         self.options = options
         self.last_stats: ReplyStats | None = None
         self.last_reply: Reply | None = None

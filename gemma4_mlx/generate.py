@@ -21,6 +21,7 @@ from mlx_lm.sample_utils import make_logits_processors, make_sampler
 
 from .errors import ContextLengthError
 from .model import check_token_ids
+from .options import check_generation_options
 
 _thread_streams = threading.local()
 
@@ -195,6 +196,10 @@ def stream_generate(
     ``images``/``audio``/``videos`` lists matching the prompt's placeholders; ``max_soft_tokens`` is
     the image token budget. The encoders run once, before the prompt is prefilled.
     """
+    check_generation_options(
+        max_tokens, temperature, top_p, top_k, min_p, repetition_penalty, repetition_context_size, seed,
+        prefill_step_size, max_soft_tokens,
+    )  # fmt: skip
     inputs = processor.prepare(prompt, images, audio, videos, enable_thinking=enable_thinking, max_soft_tokens=max_soft_tokens)
     ids_array = inputs.pop("input_ids")[0]
     ids = ids_array.tolist()
@@ -278,6 +283,14 @@ def _stats_line(c: GenerationChunk) -> str:
     )
 
 
+def _read_stdin() -> str:
+    data = sys.stdin.buffer.read()
+    try:
+        return data.decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise ValueError(f"standard input is not UTF-8 text (byte {e.start} of {len(data)}); convert it first, e.g. with iconv") from None
+
+
 def main(argv: list[str] | None = None) -> int:
     from .loading import load
 
@@ -302,8 +315,12 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--quiet", action="store_true", help="print only the generated text")
     args = p.parse_args(argv)
 
-    text = sys.stdin.read() if args.prompt == "-" else args.prompt
     try:
+        text = _read_stdin() if args.prompt == "-" else args.prompt
+        check_generation_options(
+            args.max_tokens, args.temperature, args.top_p, args.top_k, args.min_p, args.repetition_penalty,
+            seed=args.seed, max_soft_tokens=args.image_tokens,
+        )  # fmt: skip
         model, processor = load(args.model, dtype=args.dtype)
         if args.raw:
             prompt: Any = text

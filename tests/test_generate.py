@@ -283,3 +283,52 @@ def test_command_line_missing_model_is_a_one_line_error(tmp_path):
     assert len(lines) == 1, r.stderr
     assert lines[0].startswith("error: ") and str(missing) in lines[0]
     assert r.stdout == ""
+
+
+# --------------------------------------------------------------------------- bad options
+BAD_OPTIONS = [
+    (dict(temperature=-0.5), r"temperature must be a number >= 0, not -0.5"),
+    (dict(temperature=float("nan")), r"temperature must be a number >= 0, not nan"),
+    (dict(top_p=0.0), r"top_p must be a number in \(0, 1\], not 0.0"),
+    (dict(top_p=1.5), r"top_p must be a number in \(0, 1\], not 1.5"),
+    (dict(top_k=-1), r"top_k must be an integer >= 0, not -1"),
+    (dict(min_p=2.0), r"min_p must be a number in \[0, 1\], not 2.0"),
+    (dict(max_tokens=None), r"max_tokens must be an integer >= 1, not None"),
+    (dict(max_tokens=0), r"max_tokens must be an integer >= 1, not 0"),
+    (dict(prefill_step_size=0), r"prefill_step_size must be an integer >= 1, not 0"),
+    (dict(repetition_penalty=0.0), r"repetition_penalty must be a number > 0 or None, not 0.0"),
+    (dict(seed=-1), r"seed must be an integer from 0 to 18446744073709551615 or None, not -1"),
+    (dict(seed=2**64), r"seed must be an integer .* not 18446744073709551616"),
+    (dict(max_soft_tokens=100), r"max_soft_tokens \(the image token budget\) must be one of"),
+]
+
+
+@pytest.mark.parametrize("option, message", BAD_OPTIONS, ids=[next(iter(o)) + "=" + repr(next(iter(o.values()))) for o, _ in BAD_OPTIONS])
+def test_bad_options_are_refused_at_every_entry_point(mp, option, message):
+    from gemma4_mlx import Chat, ChatEngine, OptionError
+
+    model, processor = mp
+    messages = [{"role": "user", "content": "hi"}]
+    with pytest.raises(OptionError, match=message):
+        next(stream_generate(model, processor, messages, **option))
+    with pytest.raises(OptionError, match=message):
+        next(ChatEngine(model, processor).stream(messages, **option))
+    with pytest.raises(OptionError, match=message):
+        Chat(model, processor, **option)
+
+
+@pytest.mark.parametrize(
+    "args, stdin, message",
+    [
+        (["--prompt", "-"], b"caf\xe9 au lait", "standard input is not UTF-8 text (byte 3 of 12)"),
+        (["--prompt", "hi", "--seed", "-1"], b"", "seed must be an integer from 0 to"),
+        (["--prompt", "hi", "--top-p", "0"], b"", "top_p must be a number in (0, 1]"),
+        (["--prompt", "hi", "--image-tokens", "99"], b"", "max_soft_tokens (the image token budget) must be one of"),
+    ],
+)
+def test_command_line_bad_input_is_a_one_line_error(e2b, args, stdin, message):
+    r = subprocess.run([sys.executable, "-m", "gemma4_mlx.generate", "--model", str(e2b.path), *args],
+                       input=stdin, capture_output=True, timeout=300)  # fmt: skip
+    err = r.stderr.decode()
+    assert r.returncode == 1 and "Traceback" not in err, err
+    assert err.strip().splitlines() == [f"error: {err.strip()[7:]}"] and message in err
