@@ -1,5 +1,10 @@
 """The benchmark runs here (scaled-down shapes) and compares like with like."""
 
+import os
+import time
+
+import pytest
+
 import gemma4_mlx.bench as bench
 
 
@@ -13,20 +18,25 @@ def test_variant_configs_keep_the_layer_pattern_and_kv_sharing():
 
 
 def test_bench_prints_a_side_by_side_table(capsys):
+    tic = time.perf_counter()
     rows = bench.main([
         "--variants", "e2b", "--layers", "10", "--vocab", "2048", "--dtype", "float32",
         "--prompt-tokens", "24", "--gen-tokens", "6", "--repeats", "1",
     ])
+    elapsed = time.perf_counter() - tic
     out = capsys.readouterr().out
     assert "| variant | layers | prefill tok/s (ours / mlx-lm / ratio)" in out
     assert "| e2b | 10 |" in out
     (row,) = rows
-    assert row["ours"].prefill_tps > 0 and row["mlx_lm"].decode_tps > 0
+    # Both ran within the call: their rates cannot be below the counts over the whole call's time.
+    for side in ("ours", "mlx_lm"):
+        assert row[side].prefill_tps >= 24 / elapsed and row[side].decode_tps >= 5 / elapsed
     # Same weights, same greedy decoding, fp32: both models must produce the same tokens.
     assert row["ours"].tokens == row["mlx_lm"].tokens
     assert len(row["ours"].tokens) == 6
 
 
+@pytest.mark.skipif(not os.path.exists("/proc/self/status"), reason="the memory benchmark reads Linux's /proc (macOS has no /proc)")
 def test_memory_bench_folder_loads_in_both_and_measures(tmp_path):
     """bench_memory's checkpoint (mlx-lm's gemma4_text layout, converter's quantization rules) loads
     in ours, mapped or not, and in mlx-lm, with the same greedy tokens; the table is filled in."""
@@ -40,6 +50,10 @@ def test_memory_bench_folder_loads_in_both_and_measures(tmp_path):
     assert config["quantization"]["model.embed_tokens_per_layer"]["bits"] == 8  # the converter's PLE rule
     results = [bench_memory.measure(kind, folder, prompt_tokens=8, gen_tokens=3) for kind in bench_memory.KINDS]
     assert results[0]["tokens"] == results[1]["tokens"] == results[2]["tokens"] and len(results[0]["tokens"]) == 3
-    assert all(r["loaded"]["VmRSS"] > 0 and r["generated"]["VmHWM"] >= r["generated"]["VmRSS"] for r in results)
+    for r in results:
+        # Bytes, not kB or pages: a Python process with MLX and a model holds 50 MB to a few GB; and on
+        # this CPU backend the arrays MLX holds are this process's resident memory.
+        assert 50e6 < r["loaded"]["VmRSS"] < 16e9 and 50e6 < r["generated"]["VmHWM"] < 16e9
+        assert r["mlx_active_loaded"] < r["loaded"]["VmRSS"] and r["mlx_peak_generating"] < r["generated"]["VmHWM"]
     table = bench_memory.memory_table(results)
     assert table.count("\n") == 4 and "RSS at start" in table and "| ours-lazy-ple |" in table and "| mlx-lm |" in table
