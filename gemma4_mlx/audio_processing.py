@@ -25,14 +25,16 @@ MAX_SAMPLES = 480_000  # 30 s: longer clips are cut, as transformers does
 AUDIO_SEQ_LENGTH = 750  # soft tokens per clip at most (30 s at 40 ms a token)
 
 
-def load_audio(source, sampling_rate: int | None = None) -> np.ndarray:
+def load_audio(source, sampling_rate: int | None = None, max_seconds: float | None = None) -> np.ndarray:
     """A clip as float32 mono at 16 kHz, from a file path (wav, flac, mp3, ogg, ...) or an array.
 
     An array is taken at ``sampling_rate`` Hz (16000 if not given); a 2-D array is multi-channel
     (channels on the shorter axis) and is averaged to mono. Integer arrays are scaled to [-1, 1).
+    ``max_seconds`` stops decoding a file there (a two-hour recording is not read whole to keep
+    its first 30 s); the result may run a little longer, for the resampler's sake.
     """
     if isinstance(source, (str, Path)):
-        audio, rate = _decode_file(Path(source))
+        audio, rate = _decode_file(Path(source), max_seconds)
     else:
         audio = np.asarray(source)
         rate = SAMPLING_RATE if sampling_rate is None else int(sampling_rate)
@@ -58,19 +60,23 @@ def load_audio(source, sampling_rate: int | None = None) -> np.ndarray:
     return np.ascontiguousarray(audio)
 
 
-def _decode_file(path: Path) -> tuple[np.ndarray, int]:
-    """Samples (mono, float32) and rate of an audio file: libsndfile first, then librosa's fallbacks."""
+def _decode_file(path: Path, max_seconds: float | None = None) -> tuple[np.ndarray, int]:
+    """Samples (mono, float32) and rate of an audio file: libsndfile first, then librosa's fallbacks.
+    Decoding stops after ``max_seconds`` plus a second of margin (kept for the resampler's filter)."""
     if not path.is_file():
         raise MediaError(f"audio file not found: {path}")
     import soundfile as sf
 
+    keep = None if max_seconds is None else max_seconds + 1.0
     try:
-        data, rate = sf.read(str(path), dtype="float32", always_2d=True)
-        return data.mean(axis=1), int(rate)
+        with sf.SoundFile(str(path)) as f:
+            frames = -1 if keep is None else int(keep * f.samplerate)
+            data = f.read(frames, dtype="float32", always_2d=True)
+            return data.mean(axis=1), int(f.samplerate)
     except Exception as e:  # libsndfile cannot read it (webm/opus from a browser microphone, m4a, ...)
         first = e
     try:
-        return _decode_with_av(path), SAMPLING_RATE
+        return _decode_with_av(path, keep), SAMPLING_RATE
     except Exception:  # noqa: S110 - PyAV cannot either: librosa's audioread fallback is the last try
         pass
     try:
@@ -78,25 +84,32 @@ def _decode_file(path: Path) -> tuple[np.ndarray, int]:
 
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")  # librosa warns before falling back to audioread
-            data, rate = librosa.load(str(path), sr=None, mono=True)
+            data, rate = librosa.load(str(path), sr=None, mono=True, duration=keep)
         return data, int(rate)
     except Exception as e:
         reason = str(first).strip() or type(first).__name__
         raise MediaError(f"cannot read audio file {path}: {reason}") from e
 
 
-def _decode_with_av(path: Path) -> np.ndarray:
-    """Decode any container/codec FFmpeg knows (through PyAV, which bundles it) to mono 16 kHz."""
+def _decode_with_av(path: Path, max_seconds: float | None = None) -> np.ndarray:
+    """Decode any container/codec FFmpeg knows (through PyAV, which bundles it) to mono 16 kHz,
+    stopping after ``max_seconds``."""
     import av
 
-    chunks = []
+    chunks, total = [], 0
+    limit = None if max_seconds is None else int(max_seconds * SAMPLING_RATE)
     with av.open(str(path)) as container:
         if not container.streams.audio:
             raise MediaError(f"{path} has no audio stream")
         resampler = av.AudioResampler(format="flt", layout="mono", rate=SAMPLING_RATE)
         for frame in container.decode(container.streams.audio[0]):
-            chunks += [f.to_ndarray().reshape(-1) for f in resampler.resample(frame)]
-        chunks += [f.to_ndarray().reshape(-1) for f in resampler.resample(None)]
+            resampled = [f.to_ndarray().reshape(-1) for f in resampler.resample(frame)]
+            chunks += resampled
+            total += sum(len(c) for c in resampled)
+            if limit is not None and total >= limit:
+                break
+        else:
+            chunks += [f.to_ndarray().reshape(-1) for f in resampler.resample(None)]
     if not chunks:
         raise MediaError(f"{path} holds no audio samples")
     return np.concatenate(chunks).astype(np.float32)
@@ -194,7 +207,8 @@ class AudioFeatureExtractor:
             audios = [np.asarray(audios)]
         if len(audios) == 0:
             raise MediaError("no audio clips given")
-        clips = [load_audio(a, sampling_rate) for a in audios]
+        seconds = None if self.max_length is None else self.max_length / SAMPLING_RATE
+        clips = [load_audio(a, sampling_rate, max_seconds=seconds) for a in audios]
         for i, c in enumerate(clips, start=1):
             if len(c) < self.min_samples:
                 ms = lambda n: f"{n / SAMPLING_RATE * 1000:.1f} ms"  # noqa: E731

@@ -293,3 +293,19 @@ def test_browser_microphone_recording_webm_opus(tmp_path):
     assert abs(audio.size - 16000) <= 400  # one second at 16 kHz (the codec pads a little)
     spectrum = np.abs(np.fft.rfft(audio[2000:14000]))
     assert abs(np.argmax(spectrum) * 16000 / 12000 - 440) < 5  # still a 440 Hz tone
+
+
+def test_long_recordings_are_decoded_only_as_far_as_used(tmp_path, extractors):
+    """A clip is cut at 30 s: a long file is decoded only that far (plus a second for the resampler),
+    with the same features as the whole file cut afterwards."""
+    rate = 44_100
+    long = (0.2 * np.sin(np.arange(rate * 300) / rate * 2 * np.pi * 330)).astype(np.float32)  # 5 minutes
+    path = tmp_path / "long.flac"
+    sf.write(path, long, rate)
+    decoded = load_audio(path, max_seconds=30)
+    assert 30 * 16_000 <= len(decoded) <= 31 * 16_000 + 100
+    ours, _ = extractors
+    whole = ours([load_audio(path)])
+    limited = ours([str(path)])
+    assert limited["num_soft_tokens"] == whole["num_soft_tokens"] == [750]
+    np.testing.assert_array_equal(limited["input_features"], whole["input_features"])
