@@ -25,14 +25,16 @@ from .config import ModelConfig
 from .processing import Processor
 
 
-def make_processor(vocab_size: int) -> Processor:
-    """The tiny Gemma-style tokenizer and the published chat template (random weights need no real vocabulary)."""
+def make_processor(vocab_size: int, small: bool = True) -> Processor:
+    """The tiny Gemma-style tokenizer and the published chat template of E2B/E4B (``small``) or
+    26B/31B (random weights need no real vocabulary)."""
     from mlx_lm.tokenizer_utils import load as load_tokenizer
 
+    from .processing import published_chat_template
     from .tiny import write_tokenizer
 
     with tempfile.TemporaryDirectory(prefix="gemma4-bench-") as folder:
-        write_tokenizer(Path(folder))
+        write_tokenizer(Path(folder), chat_template=published_chat_template(small))
         tokenizer = load_tokenizer(Path(folder))
     config = ModelConfig.from_dict({"model_type": "gemma4_text", "vocab_size": vocab_size})
     return Processor(tokenizer, config, eos_token_ids=[1, 106])
@@ -73,7 +75,7 @@ def main(argv: list[str] | None = None) -> None:
 
     layers = None if args.layers == "full" or (args.layers is None and on_gpu) else int(args.layers or CPU_LAYERS[args.variant])
     model, _, text = build_pair(args.variant, layers, args.bits or None, getattr(mx, args.dtype), args.vocab)
-    processor = make_processor(text["vocab_size"])
+    processor = make_processor(text["vocab_size"], small=args.variant in ("e2b", "e4b"))
     engine = ChatEngine(model, processor)
     second_turn(engine, processor, 16, 4, 2)  # warm up
     print(f"device: {mx.default_device()}, mlx {mx.__version__}, {args.variant} ({text['num_hidden_layers']} layers), "
