@@ -9,6 +9,7 @@ interrupted or failed conversion never leaves a folder that looks complete.
 from __future__ import annotations
 
 import json
+import math
 import os
 import re
 import shutil
@@ -277,6 +278,8 @@ def convert(
     """
     # Checked again by cast_and_quantize, but here before a download or a read of the weights.
     _check_options(dtype, q_bits, q_group_size, q_mode, quant_recipe if quantize else None)
+    if not (isinstance(max_shard_gb, (int, float)) and math.isfinite(max_shard_gb) and max_shard_gb > 0):
+        raise ValueError(f"--max-shard-gb must be a positive number of GB, not {max_shard_gb!r}")
     out = Path(mlx_path).expanduser().absolute()
     local = Path(hf_path).expanduser()
     check_output_folder(out, local if local.is_dir() else None, force)

@@ -152,6 +152,9 @@ def test_refuses_existing_output_and_bad_options(src, tmp_path):
         convert(str(src), tmp_path / "x", quantize=True, q_bits=7)
     with pytest.raises(ValueError, match="group-size 32"):
         convert(str(src), tmp_path / "x", quantize=True, q_mode="mxfp4", q_bits=4, q_group_size=64)
+    for bad in (0, -1.0, float("nan")):
+        with pytest.raises(ValueError, match="--max-shard-gb must be a positive number of GB"):
+            convert(str(src), tmp_path / "x", max_shard_gb=bad)
 
 
 def test_force_never_replaces_the_input_or_a_folder_holding_it(src, tmp_path):
