@@ -73,10 +73,11 @@ def axis_weights(in_size: int, out_size: int) -> tuple[np.ndarray, np.ndarray, n
 
 
 @lru_cache(maxsize=32)
-def _plan(in_size: int, out_size: int, channels: int) -> tuple[list, int, type]:
-    """The axis's weights as dense blocks ``(o0, o1, i0, i1, weights[o1 - o0, i1 - i0])`` over
-    ``channels`` interleaved values per pixel, their precision, and the float type whose sums of
-    pixels times weights are exact: float32 where they stay below 2**24, else float64 (below 2**53)."""
+def _plan(in_size: int, out_size: int, channels: int) -> tuple[list, type]:
+    """The axis's weights over ``2**precision`` (exact: a power of two) as dense blocks
+    ``(o0, o1, i0, i1, weights[o1 - o0, i1 - i0])`` over ``channels`` interleaved values per pixel,
+    in the float type whose sums of pixels times weights are exact: float32 where the integer sums
+    stay below 2**24, else float64 (below 2**53)."""
     xmin, xsize, w, precision = axis_weights(in_size, out_size)
     exact32 = 255 * np.abs(w).sum(axis=1).max() + (1 << (precision - 1)) < 1 << 24
     dtype = np.float32 if exact32 else np.float64
@@ -88,13 +89,13 @@ def _plan(in_size: int, out_size: int, channels: int) -> tuple[list, int, type]:
         for o in range(o0, o1):
             dense[o - o0, xmin[o] - i0 : xmin[o] - i0 + xsize[o]] = w[o, : xsize[o]]
         c = channels
-        blocks.append((o0 * c, o1 * c, i0 * c, i1 * c, np.kron(dense, eye).astype(dtype)))
-    return blocks, precision, dtype
+        blocks.append((o0 * c, o1 * c, i0 * c, i1 * c, (np.kron(dense, eye) / (1 << precision)).astype(dtype)))
+    return blocks, dtype
 
 
 def _resample(x: np.ndarray, out_size: int, axis: int, channels: int = 1) -> np.ndarray:
     """One pass over axis 0 (rows) or 1 (columns, ``channels`` values per pixel) of uint8 ``x``."""
-    blocks, precision, dtype = _plan(x.shape[axis] // channels, out_size, channels)
+    blocks, dtype = _plan(x.shape[axis] // channels, out_size, channels)
     x = x.astype(dtype)
     if axis == 0:
         y = np.empty((out_size, x.shape[1]), dtype)
@@ -104,10 +105,9 @@ def _resample(x: np.ndarray, out_size: int, axis: int, channels: int = 1) -> np.
         y = np.empty((x.shape[0], out_size * channels), dtype)
         for o0, o1, i0, i1, block in blocks:
             np.matmul(x[:, i0:i1], block.T, out=y[:, o0:o1])
-    y += 1 << (precision - 1)
-    y *= 1.0 / (1 << precision)  # exact: a power of two
+    y += 0.5  # (sum + 2**(p - 1)) / 2**p, exactly
     np.floor(y, out=y)  # the arithmetic shift
-    return np.clip(y, 0, 255).astype(np.uint8)
+    return np.clip(y, 0, 255, out=y).astype(np.uint8)
 
 
 def resize_bicubic_antialias(images: np.ndarray, height: int, width: int) -> np.ndarray:
