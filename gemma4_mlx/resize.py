@@ -17,9 +17,9 @@ module. Per axis, in ATen's order of operations:
 - each pass gives ``clamp((sum(pixel * weight) + 2**(p - 1)) >> p, 0, 255)``: the width first, then
   the height, each rounded to uint8.
 
-Each pass is a banded matrix product (BLAS), a block of outputs at a time so that little but the band
-is multiplied, in floating point that holds the integer sums exactly (float32 where they stay below
-2**24, float64 otherwise). The channels stay interleaved, so no pass transposes the image.
+Each pass is a banded matrix product (BLAS) on the colour planes, a block of outputs at a time so that
+little but the band is multiplied, in floating point that holds the integer sums exactly (float32
+where they stay below 2**24, float64 otherwise).
 """
 
 from __future__ import annotations
@@ -73,41 +73,40 @@ def axis_weights(in_size: int, out_size: int) -> tuple[np.ndarray, np.ndarray, n
 
 
 @lru_cache(maxsize=32)
-def _plan(in_size: int, out_size: int, channels: int) -> tuple[list, type]:
+def _plan(in_size: int, out_size: int) -> tuple[list, type]:
     """The axis's weights over ``2**precision`` (exact: a power of two) as dense blocks
-    ``(o0, o1, i0, i1, weights[o1 - o0, i1 - i0])`` over ``channels`` interleaved values per pixel,
-    in the float type whose sums of pixels times weights are exact: float32 where the integer sums
-    stay below 2**24, else float64 (below 2**53)."""
+    ``(o0, o1, i0, i1, weights[o1 - o0, i1 - i0])``, in the float type whose sums of pixels times
+    weights are exact: float32 where the integer sums stay below 2**24, else float64 (below 2**53)."""
     xmin, xsize, w, precision = axis_weights(in_size, out_size)
     exact32 = 255 * np.abs(w).sum(axis=1).max() + (1 << (precision - 1)) < 1 << 24
     dtype = np.float32 if exact32 else np.float64
-    blocks, eye = [], np.eye(channels)
+    blocks = []
     for o0 in range(0, out_size, _BLOCK):
         o1 = min(o0 + _BLOCK, out_size)
         i0, i1 = int(xmin[o0]), int((xmin + xsize)[o0:o1].max())
         dense = np.zeros((o1 - o0, i1 - i0))
         for o in range(o0, o1):
             dense[o - o0, xmin[o] - i0 : xmin[o] - i0 + xsize[o]] = w[o, : xsize[o]]
-        c = channels
-        blocks.append((o0 * c, o1 * c, i0 * c, i1 * c, (np.kron(dense, eye) / (1 << precision)).astype(dtype)))
+        blocks.append((o0, o1, i0, i1, (dense / (1 << precision)).astype(dtype)))
     return blocks, dtype
 
 
-def _resample(x: np.ndarray, out_size: int, axis: int, channels: int = 1) -> np.ndarray:
-    """One pass over axis 0 (rows) or 1 (columns, ``channels`` values per pixel) of uint8 ``x``."""
-    blocks, dtype = _plan(x.shape[axis] // channels, out_size, channels)
-    x = x.astype(dtype)
-    if axis == 0:
-        y = np.empty((out_size, x.shape[1]), dtype)
-        for o0, o1, i0, i1, block in blocks:
-            np.matmul(block, x[i0:i1], out=y[o0:o1])
-    else:
-        y = np.empty((x.shape[0], out_size * channels), dtype)
-        for o0, o1, i0, i1, block in blocks:
-            np.matmul(x[:, i0:i1], block.T, out=y[:, o0:o1])
+def _resample(planes: np.ndarray, out_size: int, axis: int) -> np.ndarray:
+    """One pass along the width (axis -1) or height (-2) of planes [C, H, W] holding uint8 values;
+    the result, rounded and clamped as ATen's uint8 output, stays in floating point."""
+    blocks, dtype = _plan(planes.shape[axis], out_size)
+    x = planes.astype(dtype, order="C", copy=False)
+    shape = list(x.shape)
+    shape[axis] = out_size
+    y = np.empty(shape, dtype)
+    for o0, o1, i0, i1, block in blocks:
+        if axis == -1:
+            np.matmul(x[..., i0:i1], block.T, out=y[..., o0:o1])
+        else:
+            np.matmul(block, x[..., i0:i1, :], out=y[..., o0:o1, :])
     y += 0.5  # (sum + 2**(p - 1)) / 2**p, exactly
     np.floor(y, out=y)  # the arithmetic shift
-    return np.clip(y, 0, 255, out=y).astype(np.uint8)
+    return np.clip(y, 0, 255, out=y)
 
 
 def resize_bicubic_antialias(images: np.ndarray, height: int, width: int) -> np.ndarray:
@@ -119,13 +118,16 @@ def resize_bicubic_antialias(images: np.ndarray, height: int, width: int) -> np.
     *lead, H, W, C = images.shape
     if min(H, W, C, height, width) < 1:
         raise ValueError(f"cannot resize {H}x{W}x{C} images to {height}x{width}")
-    flat = images.reshape(-1, H, W * C)  # pixels' channels interleaved along the rows
-    out = np.empty((len(flat), height, width * C), dtype=np.uint8)
+    flat = images.reshape(-1, H, W, C)
+    out = np.empty((len(flat), height, width, C), dtype=np.uint8)
     # These products are too small for BLAS threads to help; on a busy machine they only contend
     # (OpenBLAS: several times slower). One thread.
     with threadpool_limits(1, user_api="blas") if threadpool_limits else nullcontext():
-        for i, x in enumerate(flat):
+        for i, frame in enumerate(flat):
+            x = frame.transpose(2, 0, 1)  # [C, H, W]: each pass is a matrix product on one axis
             if width != W:  # the width first, then the height, as ATen does
-                x = _resample(x, width, axis=1, channels=C)
-            out[i] = _resample(x, height, axis=0) if height != H else x
+                x = _resample(x, width, axis=-1)
+            if height != H:
+                x = _resample(x, height, axis=-2)
+            out[i] = x.transpose(1, 2, 0)
     return out.reshape(*lead, height, width, C)
