@@ -5,8 +5,8 @@ antialias=True)`` on uint8 tensors, which runs ATen's separable fixed-point kern
 (``_upsample_bicubic2d_aa``, aten/src/ATen/native/cpu/UpSampleKernel.cpp; the AVX2 kernel gives the
 same integers). Its filter support and centring are Pillow's, but the cubic is evaluated in another
 order and the weights are rounded to int16 at a per-axis precision (Pillow: 22 bits in int32), so
-Pillow's bicubic is one level off on a fraction of a percent of the values. torch is not a runtime dependency, hence this
-module. Per axis, in ATen's order of operations:
+Pillow's bicubic is one level off on a fraction of a percent of the values. torch is not a runtime
+dependency, hence this module. Per axis, in ATen's order of operations:
 
 - ``scale = in / out``, ``support = 2 * max(scale, 1)``; output ``i`` reads the input pixels from
   ``xmin = trunc(scale * (i + 0.5) - support + 0.5)`` (at least 0, at most ``ceil(support) * 2 + 1``

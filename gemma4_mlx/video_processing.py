@@ -161,7 +161,8 @@ class VideoProcessor:
         if not videos:
             raise MediaError("no videos given")
         budget = self._check_budget(self.max_soft_tokens if max_soft_tokens is None else max_soft_tokens)
-        out: dict[str, list] = {"pixel_values_videos": [], "video_position_ids": [], "num_soft_tokens": [], "timestamps": []}
+        keys = ("pixel_values_videos", "video_position_ids", "num_soft_tokens", "timestamps")
+        out: dict[str, list] = {k: [] for k in keys}
         for source in videos:
             clip = load_video(source, self.num_frames)
             pixels, positions, soft_tokens = self._patchify(clip.frames, budget)

@@ -19,7 +19,7 @@ from gemma4_mlx.resize import axis_weights, resize_bicubic_antialias
 from gemma4_mlx.video_processing import VideoProcessor, load_video
 
 torchvision, REASON = import_torchvision()
-needs_torchvision = pytest.mark.skipif(torchvision is None, reason=f"transformers' video processor needs torchvision: {REASON}")
+needs_torchvision = pytest.mark.skipif(torchvision is None, reason=f"transformers' video processor needs it: {REASON}")
 
 
 @functools.lru_cache(maxsize=None)
@@ -39,7 +39,8 @@ def torch_resize(images: np.ndarray, height: int, width: int) -> np.ndarray:
 
 def pillow_resize(images: np.ndarray, height: int, width: int) -> np.ndarray:
     """What the video path did before (and the image path does): Pillow's antialiased bicubic."""
-    return np.stack([np.asarray(Image.fromarray(f).resize((width, height), Image.BICUBIC, reducing_gap=None)) for f in images])
+    resize = lambda f: np.asarray(Image.fromarray(f).resize((width, height), Image.BICUBIC, reducing_gap=None))  # noqa: E731
+    return np.stack([resize(f) for f in images])
 
 
 # ---------------------------------------------------------------------------------------------- resize
@@ -73,7 +74,8 @@ def test_resize_matches_torch_on_random_sizes():
     for _ in range(60):
         (H, W), (h, w) = rng.integers(1, 160, 2), rng.integers(1, 240, 2)
         frames = rng.integers(0, 256, (1, H, W, 3), dtype=np.uint8)
-        np.testing.assert_array_equal(resize_bicubic_antialias(frames, h, w), torch_resize(frames, h, w), err_msg=f"{H}x{W}->{h}x{w}")
+        ours = resize_bicubic_antialias(frames, h, w)
+        np.testing.assert_array_equal(ours, torch_resize(frames, h, w), err_msg=f"{H}x{W}->{h}x{w}")
 
 
 def test_resize_is_not_pillows():
@@ -215,7 +217,8 @@ def test_video_file_matches_transformers(tmp_path):
     # A video shorter than 32 frames keeps every frame (transformers raises unless asked for that many).
     write_video(path, noise_video(20, 64, 48), rate=8)
     ours = VideoProcessor()(str(path))
-    frames, metadata = hf_load_video(str(path), backend="pyav", sample_indices_fn=lambda metadata: hf.sample_frames(metadata, num_frames=20))
+    every_frame = lambda metadata: hf.sample_frames(metadata, num_frames=20)  # noqa: E731
+    frames, metadata = hf_load_video(str(path), backend="pyav", sample_indices_fn=every_frame)
     ref = hf(frames, video_metadata=metadata, do_sample_frames=False, return_metadata=True, return_tensors="np")
     assert_same(ours, ref)
     assert len(ours["timestamps"][0]) == 20
