@@ -16,7 +16,6 @@ from pathlib import Path
 from typing import Any, Iterable
 
 import mlx.core as mx
-import numpy as np
 
 from .config import ModelConfig, read_json_object
 from transformers.utils.chat_template_utils import _CONTROL_TOKEN_START, encode_marked_chat, mark_control_tokens
@@ -36,13 +35,15 @@ _REPLY_RE = re.compile(f"{REPLY_MARK}(\\d+){REPLY_MARK}")
 class Processor:
     """Turns prompts or chat messages into token ids, and token ids back into text."""
 
-    def __init__(self, tokenizer, config: ModelConfig, eos_token_ids: Iterable[int], image_processor=None, audio_extractor=None):
+    def __init__(self, tokenizer, config: ModelConfig, eos_token_ids: Iterable[int], image_processor=None, audio_extractor=None,
+                 video_processor=None):
         self.tokenizer = tokenizer  # mlx_lm.tokenizer_utils.TokenizerWrapper
         self.config = config
         self.eos_token_ids = set(eos_token_ids)
         self.tokenizer.eos_token_ids = self.eos_token_ids
         self.image_processor = image_processor  # None for checkpoints without a vision tower
         self.audio_extractor = audio_extractor  # None for checkpoints without an audio tower
+        self.video_processor = video_processor  # None for checkpoints without a vision tower
         tok = lambda i: tokenizer.convert_ids_to_tokens(i) if i is not None else None  # noqa: E731
         self.image_token, self.video_token, self.audio_token = (
             tok(config.image_token_id), tok(config.video_token_id), tok(config.audio_token_id)
@@ -64,18 +65,21 @@ class Processor:
         if tokenizer.chat_template is None:
             # Prefer the checkpoint's own template; fall back to the published one of this kind of model.
             tokenizer._tokenizer.chat_template = published_chat_template(small=config.text_config.has_per_layer_inputs)
-        image_processor = audio_extractor = None
+        image_processor = audio_extractor = video_processor = None
         if config.vision_config:
             from .image_processing import ImageProcessor
+            from .video_processing import VideoProcessor
             from .vision import VisionConfig
 
             image_processor = ImageProcessor.from_pretrained(model_path)
             image_processor.position_table_size = VisionConfig.from_dict(config.vision_config).position_embedding_size
+            video_processor = VideoProcessor.from_pretrained(model_path)
         if config.audio_config:
             from .audio_processing import AudioFeatureExtractor
 
             audio_extractor = AudioFeatureExtractor.from_pretrained(model_path)
-        return cls(tokenizer, config, _eos_token_ids(model_path, config, tokenizer), image_processor, audio_extractor)
+        eos = _eos_token_ids(model_path, config, tokenizer)
+        return cls(tokenizer, config, eos, image_processor, audio_extractor, video_processor)
 
     # ----------------------------------------------------------------- text <-> ids
     @property
@@ -193,9 +197,10 @@ class Processor:
         ``text`` holds one placeholder per media item, in order (``<|image|>``, ``<|audio|>``,
         ``<|video|>``; the chat template writes them); it is encoded as is, control tokens included,
         as transformers' ``Gemma4Processor`` does. ``max_soft_tokens`` is the image token budget
-        (70, 140, 280, 560 or 1120; default 280). Returns ``input_ids`` [1, L] and, per modality
-        present, ``pixel_values``/``image_position_ids``, ``pixel_values_videos``/
-        ``video_position_ids``, ``input_features``/``input_features_mask``.
+        (70, 140, 280, 560 or 1120; default 280); video frames keep the video processor's (70), where
+        transformers' processor hands this budget to its video processor too. Returns ``input_ids``
+        [1, L] and, per modality present, ``pixel_values``/``image_position_ids``,
+        ``pixel_values_videos``/``video_position_ids``, ``input_features``/``input_features_mask``.
         """
         if text is None:
             raise ValueError("processor needs text")
@@ -229,22 +234,14 @@ class Processor:
             inputs["input_features_mask"] = mx.array(out["input_features_mask"])
             expansions[self.audio_token] = [self.boa_token + self.audio_token * n + self.eoa_token for n in out["num_soft_tokens"]]
         if videos is not None:
-            self._require(self.image_processor, "video")
-            frames, pos, texts = [], [], []
-            from .video_processing import VIDEO_SOFT_TOKENS, load_video
-
-            for v in _as_list(videos):
-                clip = load_video(v)
-                out = self.image_processor(list(clip.frames), max_soft_tokens=VIDEO_SOFT_TOKENS)
-                frames.append(out["pixel_values"])
-                pos.append(out["image_position_ids"])
-                texts.append(" ".join(
-                    f"{t} {self.boi_token}{self.video_token * n}{self.eoi_token}"
-                    for t, n in zip(clip.timestamp_labels(), out["num_soft_tokens"])
-                ))
-            inputs["pixel_values_videos"] = mx.array(np.concatenate(frames))
-            inputs["video_position_ids"] = mx.array(np.concatenate(pos))
-            expansions[self.video_token] = texts
+            self._require(self.video_processor, "video")
+            out = self.video_processor(_as_list(videos))
+            inputs["pixel_values_videos"] = mx.array(out["pixel_values_videos"])
+            inputs["video_position_ids"] = mx.array(out["video_position_ids"])
+            frame = lambda t, n: f"{t} {self.boi_token}{self.video_token * n}{self.eoi_token}"  # noqa: E731
+            expansions[self.video_token] = [
+                " ".join(frame(t, n) for t in stamps) for stamps, n in zip(out["timestamps"], out["num_soft_tokens"])
+            ]
         return inputs, expansions
 
     def _require(self, part, kind: str) -> None:

@@ -1,3 +1,4 @@
+import os
 import sys
 from pathlib import Path
 
@@ -5,7 +6,12 @@ import pytest
 
 sys.path.insert(0, str(Path(__file__).parent))
 
+import torchvision_guard  # noqa: E402 - first: before anything imports transformers' vision code
 from checkpoints import FAMILIES, build_hf_model, save_checkpoint  # noqa: E402
+
+if torchvision_guard.declared():  # the CLIs the tests launch import transformers too: the same guard there
+    startup = str(Path(__file__).parent / "startup")
+    os.environ["PYTHONPATH"] = os.pathsep.join(p for p in (startup, os.environ.get("PYTHONPATH")) if p)
 
 
 class Family:
