@@ -14,8 +14,31 @@ import soundfile as sf
 from gradio_client import Client, handle_file
 from PIL import Image
 
-from app.backend import ERROR_TITLE, STATS_TITLE, ModelHolder, media_kind, to_markdown, to_model_messages, unsupported_media
+from app.backend import (
+    ERROR_NOTE,
+    STATS_TITLE,
+    ModelHolder,
+    media_kind,
+    note,
+    note_kind,
+    note_text,
+    to_markdown,
+    to_model_messages,
+    unsupported_media,
+)
 from app.ui import build_app
+from app.ui import launch as launch_app
+
+
+@pytest.fixture(scope="module", autouse=True)
+def cache_dir(tmp_path_factory):
+    """The app's cache (conversions, the page's storage secret) in a temporary folder."""
+    import app.backend
+
+    with pytest.MonkeyPatch.context() as mp:
+        folder = tmp_path_factory.mktemp("cache")
+        mp.setattr(app.backend, "CACHE_DIR", folder)
+        yield folder
 
 
 def free_port() -> int:
@@ -24,10 +47,10 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def launch(holder: ModelHolder):
+def launch(holder: ModelHolder, port: int | None = None):
     app = build_app(holder)
-    port = free_port()
-    app.queue().launch(server_name="127.0.0.1", server_port=port, prevent_thread_lock=True, quiet=True)
+    port = port or free_port()
+    launch_app(app, server_name="127.0.0.1", server_port=port, prevent_thread_lock=True, quiet=True)
     return app, f"http://127.0.0.1:{port}/"
 
 
@@ -73,6 +96,15 @@ def title(m):
     return (m.get("metadata") or {}).get("title") or ""
 
 
+def is_error(m):
+    return note_kind(m) == ERROR_NOTE
+
+
+def error_text(m):
+    heading, body = note_text(m)
+    return heading + ": " + body
+
+
 def text(m):
     return "".join(p.get("text", "") for p in m["content"])
 
@@ -90,13 +122,13 @@ def test_text_turn_streams_a_reply_with_stats(client):
 def test_multimodal_turn_and_prefix_reuse(client, media):
     history = chat(client, "hello")
     history = chat(client, "what do you see and hear?", history, files=[media / "picture.png", media / "tone.wav"])
-    assert not any(title(m).startswith(ERROR_TITLE) for m in history), [text(m) for m in history]
+    assert not any(is_error(m) for m in history), [text(m) for m in history]
     stats = text(history[-1])
     reused = int(stats.split("prompt: ")[1].split(" tokens, ")[1].split(" reused")[0])
     assert reused > 0  # the first turn was not prefilled again
     # Media in an earlier turn keep working in later turns.
     history = chat(client, "and now?", history)
-    assert not any(title(m).startswith(ERROR_TITLE) for m in history)
+    assert not any(is_error(m) for m in history)
 
 
 def test_regenerate_gives_the_same_greedy_reply(client):
@@ -144,15 +176,15 @@ def test_stop_mid_stream(demo_app, client):
 
 def test_bad_inputs_give_clear_messages(client, media):
     history = chat(client, "look", files=[media / "broken.png"])
-    assert title(history[-1]).startswith(ERROR_TITLE)
-    assert "broken.png" in text(history[-1]) or "image" in text(history[-1]).lower()
+    assert is_error(history[-1])
+    assert "broken.png" in error_text(history[-1])
     # The conversation goes on; the failed turn is not sent to the model again.
     history = chat(client, "hello", history)
     assert title(history[-1]).startswith(STATS_TITLE)
     long = chat(client, "word " * 9000)
-    assert title(long[-1]).startswith(ERROR_TITLE) and "context" in text(long[-1])
+    assert is_error(long[-1]) and "context" in error_text(long[-1])
     bad_tools = client.predict({"text": "hi", "files": []}, [], "", 0.0, 0.95, 64, 8, False, 280, "[not json", api_name="/chat")[0]
-    assert "not valid JSON" in text(bad_tools[-1])
+    assert "not valid JSON" in error_text(bad_tools[-1])
 
 
 def test_undo_and_export(client):
@@ -172,8 +204,8 @@ def test_model_that_fails_to_load(tmp_path):
     try:
         assert holder.ready.wait(60) and holder.engine is None
         history = chat(Client(url, verbose=False), "hello")
-        assert title(history[-1]).startswith(ERROR_TITLE)
-        assert "Could not load" in text(history[-1]) and "no-such-model" in text(history[-1])
+        assert is_error(history[-1])
+        assert "Could not load" in error_text(history[-1]) and "no-such-model" in error_text(history[-1])
     finally:
         app.close()
 
@@ -191,7 +223,7 @@ def test_history_to_model_messages(tmp_path):
         {"role": "assistant", "content": "- stats", "metadata": {"title": STATS_TITLE + "1 s"}},
         {"role": "user", "content": "and this?"},
         {"role": "user", "content": [{"type": "file", "file": {"path": str(tmp_path / "b.wav")}}]},
-        {"role": "assistant", "content": "cannot", "metadata": {"title": ERROR_TITLE + "no audio"}},
+        note("cannot", "no audio"),
         {"role": "user", "content": "plain"},
         {"role": "assistant", "content": "ok"},
         {"role": "user", "content": [{"type": "file", "file": {"path": "/gone/old.png", "orig_name": "old.png"}}]},
@@ -232,7 +264,7 @@ def test_reasoning_and_tool_call_blocks(demo_app, client):
     assert titles[0] == "Reasoning" and text(history[1]) == "weather needed"
     assert titles[1] == "" and text(history[2]) == "Checking."
     assert titles[2] == "Tool call: get_weather" and json.loads(text(history[3])) == {"name": "get_weather", "arguments": {"city": "Oslo"}}
-    assert "waiting for a tool result" in titles[3]
+    assert "waiting for the result of get_weather" in titles[3]
     # The call goes back to the model as the assistant turn's tool_calls.
     messages = to_model_messages(history)
     assert messages[-1]["tool_calls"][0]["function"]["arguments"] == {"city": "Oslo"}
@@ -248,7 +280,8 @@ def test_first_use_conversion_is_cached(tmp_path, monkeypatch):
     source = save_checkpoint(build_hf_model("e2b"), tmp_path / "hf-e2b")
     holder = ModelHolder(str(source), 8).start()
     assert holder.ready.wait(120) and holder.engine is not None, holder.status
-    converted = tmp_path / "cache" / "hf-e2b-8bit"
+    converted = app.backend.conversion_cache_path(str(source), 8)
+    assert converted.parent == tmp_path / "cache" and converted.name.startswith("hf-e2b-local-")
     config = json.loads((converted / "config.json").read_text())
     assert config["quantization"]["bits"] == 8
     assert holder.status.startswith("Ready")
@@ -285,4 +318,149 @@ def test_hub_download_progress_shows_in_the_status(tmp_path, monkeypatch):
     assert holder.ready.wait(120) and holder.engine is not None, holder.status
     assert seen and seen[0].startswith("Downloading someone/gemma-4-tiny (first use): Downloading bytes")
     assert "1.00M/2.00M" in seen[0]
-    assert (tmp_path / "cache" / "gemma-4-tiny-8bit" / "config.json").exists()
+    assert (tmp_path / "cache" / "someone--gemma-4-tiny-8bit" / "config.json").exists()
+
+
+# ---------------------------------------------------------------------------- conversations kept by the browser
+def test_browser_secret_is_kept_per_user(tmp_path):
+    """The page's stored conversations are encrypted with a secret that survives a restart: kept in
+    the cache folder, readable by the user only, created once even by two apps starting together."""
+    import os
+    import stat
+    from concurrent.futures import ThreadPoolExecutor
+
+    from app.store import browser_secret
+
+    with ThreadPoolExecutor(8) as pool:
+        secrets = set(pool.map(lambda _: browser_secret(tmp_path / "c"), range(16)))
+    assert len(secrets) == 1 and len(secrets.pop()) >= 32
+    path = tmp_path / "c" / "browser-secret"
+    assert stat.S_IMODE(path.stat().st_mode) == 0o600
+    assert os.listdir(tmp_path / "c") == ["browser-secret"]  # no temporary files left behind
+    assert browser_secret(tmp_path / "c") == path.read_text().strip()
+    # Two apps built one after the other (a restart) give their BrowserState the same secret.
+    holder = ModelHolder(None, None, demo=True)
+    first, second = build_app(holder), build_app(holder)
+    secret = lambda app: next(b.secret for b in app.blocks.values() if type(b).__name__ == "BrowserState")  # noqa: E731
+    assert secret(first) == secret(second)
+
+
+def test_conversation_store():
+    from app import store
+
+    s = store.normalize({"conversations": "junk", "active": 3})  # anything a browser may send
+    assert len(s["conversations"]) == 1 and s["active"] == s["conversations"][0]["id"]
+    first = s["active"]
+    s = store.save(s, [{"role": "user", "content": "What is a monad, in plain words please?"}], {"system": "Be brief.", "thinking": True, "top_k": "bad"})
+    conv = store.active(s)
+    assert conv["settings"]["system"] == "Be brief." and conv["settings"]["thinking"] is True
+    assert conv["settings"]["top_k"] == store.SETTINGS_DEFAULTS["top_k"]  # a wrong type falls back
+    assert store.choices(s) == [("What is a monad, in plain words please?", first)]
+    s = store.start_new(s, conv["settings"])
+    second = s["active"]
+    assert second != first and store.active(s)["settings"]["system"] == "Be brief."  # a new chat keeps the setup
+    s = store.start_new(s, store.SETTINGS_DEFAULTS)  # the empty new chat is not kept twice
+    assert len(s["conversations"]) == 2
+    s = store.save(s, [{"role": "user", "content": "x" * 100}], store.SETTINGS_DEFAULTS)
+    assert store.choices(s)[0][0] == "x" * 40 + "…"
+    s = store.switch(s, first)
+    assert store.active(s)["settings"]["system"] == "Be brief."
+    s = store.rename(s, "  Monads  ")
+    assert dict((i, label) for label, i in store.choices(s))[first] == "Monads"
+    s = store.delete(s)
+    assert [c["id"] for c in s["conversations"]] != [] and first not in [c["id"] for c in s["conversations"]]
+    s = store.delete(s)  # the last one: a new, empty conversation takes its place
+    assert len(s["conversations"]) == 1 and store.active(s)["history"] == []
+
+
+def test_conversion_cache_is_keyed_by_the_full_source(tmp_path, monkeypatch):
+    """Two sources with the same last path component never share a converted folder."""
+    import app.backend
+    from app.backend import conversion_cache_path
+
+    monkeypatch.setattr(app.backend, "CACHE_DIR", tmp_path / "cache")
+    mine = tmp_path / "work" / "gemma-4-E2B-it"
+    other = tmp_path / "elsewhere" / "gemma-4-E2B-it"
+    for folder in (mine, other):
+        folder.mkdir(parents=True)
+    monkeypatch.chdir(tmp_path / "work")
+    paths = {
+        conversion_cache_path("google/gemma-4-E2B-it", 4),
+        conversion_cache_path("./gemma-4-E2B-it", 4),
+        conversion_cache_path(str(other), 4),
+        conversion_cache_path("org1/x", 4),
+        conversion_cache_path("org2/x", 4),
+    }
+    assert len(paths) == 5
+    assert conversion_cache_path("google/gemma-4-E2B-it", 4).name == "google--gemma-4-E2B-it-4bit"
+    assert conversion_cache_path("./gemma-4-E2B-it", 4) == conversion_cache_path(str(mine), 4)  # the same folder, however named
+    assert conversion_cache_path(str(mine), 4).name.startswith("gemma-4-E2B-it-local-")
+    assert conversion_cache_path(str(mine), 8) != conversion_cache_path(str(mine), 4)
+
+
+# ---------------------------------------------------------------------------- math in replies
+def test_display_math_round_trips_exactly():
+    """Replies are shown with their rule-following $...$ as \\(...\\); the text goes back unchanged."""
+    import random
+
+    from app.mathtext import MARK, from_display, to_display
+
+    examples = {
+        "Prices: $5 and $10.": "Prices: $5 and $10.",
+        "from $20,000 to $30,000": "from $20,000 to $30,000",
+        "between $5-$10": "between $5-$10",
+        "area $\\pi r^2$ here": "area \\(\\pi r^2\\) here",
+        "$$E = mc^2$$": "$$E = mc^2$$",
+        "`echo $HOME` and `$x$`": "`echo $HOME` and `$x$`",
+        "```sh\nA=$1; B=$2$\n```": "```sh\nA=$1; B=$2$\n```",
+        "model's own \\(x\\)": "model's own \\(" + MARK + "x\\)",
+        "escaped \\$5 and $x$": "escaped \\$5 and \\(x\\)",
+    }
+    for text, shown in examples.items():
+        assert to_display(text) == shown, text
+        assert from_display(shown) == text
+    atoms = ["$", "$$", "\\", "\\(", "\\)", "(", ")", " ", "\n", "`", "```", "~~~", "a", "1", "\\relax", MARK, "{", "}"]
+    rng = random.Random(0)
+    for _ in range(20000):
+        text = "".join(rng.choice(atoms) for _ in range(rng.randint(0, 24)))
+        assert from_display(to_display(text)) == text, repr(text)
+
+
+def scripted(engine, text, stream=None):
+    """``engine.stream`` (or ``stream``) writing ``text`` token by token, then ending the turn."""
+    processor = engine.processor
+    it = iter(processor.encode(text, add_special_tokens=False))
+    end = processor.tokenizer.convert_tokens_to_ids("<turn|>")
+    return functools.partial(stream or engine.stream, sampler=lambda logprobs: mx.array([next(it, end)]))
+
+
+@contextlib.contextmanager
+def recording(engine, reply_text=None):
+    """Records the conversations the engine is asked to answer (and scripts its reply)."""
+    original = engine.stream
+    seen = []
+
+    def stream(messages, **options):
+        seen.append(json.loads(json.dumps(messages)))
+        fn = scripted(engine, reply_text, original) if reply_text is not None else original
+        return fn(messages, **options)
+
+    engine.stream = stream
+    try:
+        yield seen
+    finally:
+        engine.stream = original
+
+
+def test_replies_go_back_to_the_model_exactly(demo_app, client):
+    """The page shows $...$ math as \\(...\\) and keeps "$5 and $10" as text, but the next turn
+    sends the model the reply exactly as it was generated (its KV cache is matched on it)."""
+    holder, _ = demo_app
+    reply = "It costs $5 and $10; the area is $\\pi r^2$ and \\(x\\)."
+    with recording(holder.engine, reply):
+        history = chat(client, "prices?", max_tokens=100)
+    shown = text(history[1])
+    assert "$5 and $10" in shown and "\\(\\pi r^2\\)" in shown and "$\\pi" not in shown
+    with recording(holder.engine) as seen:
+        chat(client, "and then?", history)
+    assert seen[0][1] == {"role": "assistant", "content": reply}
