@@ -230,7 +230,8 @@ def message_parts(content) -> list[dict]:
         elif isinstance(item, dict) and item.get("type") == "text":
             parts.append(item)
         elif isinstance(item, dict) and item.get("type") == "file":
-            parts.append(item)
+            f = item.get("file")
+            parts.append({**item, "file": {"path": f} if isinstance(f, str) else (f or {})})  # gradio_client sends paths
         elif isinstance(item, dict) and "path" in item:
             parts.append({"type": "file", "file": item})
         elif isinstance(item, (tuple, list)) and item:

@@ -86,9 +86,9 @@ def resend(history):
     return out
 
 
-def chat(client, text, history=(), files=(), temperature=0.0, max_tokens=8, **kwargs):
+def chat(client, text, history=(), files=(), temperature=0.0, max_tokens=8, system="", tools="", **kwargs):
     message = {"text": text, "files": [handle_file(str(f)) for f in files]}
-    history, box = client.predict(message, resend(history), "", temperature, 0.95, 64, max_tokens, False, 280, "", api_name="/chat", **kwargs)
+    history, box = client.predict(message, resend(history), system, temperature, 0.95, 64, max_tokens, False, 280, tools, api_name="/chat", **kwargs)
     return history
 
 
@@ -439,9 +439,11 @@ def recording(engine, reply_text=None):
     """Records the conversations the engine is asked to answer (and scripts its reply)."""
     original = engine.stream
     seen = []
+    seen_options = recording.options = []
 
     def stream(messages, **options):
         seen.append(json.loads(json.dumps(messages)))
+        seen_options.append(options)
         fn = scripted(engine, reply_text, original) if reply_text is not None else original
         return fn(messages, **options)
 
@@ -464,3 +466,161 @@ def test_replies_go_back_to_the_model_exactly(demo_app, client):
     with recording(holder.engine) as seen:
         chat(client, "and then?", history)
     assert seen[0][1] == {"role": "assistant", "content": reply}
+
+
+# ---------------------------------------------------------------------------- tools
+WEATHER = {"name": "get_weather", "description": "Current weather", "parameters": {"type": "object", "properties": {"city": {"type": "string"}}}}
+
+
+def test_tool_definitions_in_either_form():
+    from app.backend import ToolsError, parse_tools
+
+    wrapped = {"type": "function", "function": WEATHER}
+    expected = [wrapped]
+    for form in (WEATHER, [WEATHER], wrapped, [wrapped], {"function_declarations": [WEATHER]}):
+        assert parse_tools(json.dumps(form)) == expected, form
+    assert parse_tools(json.dumps([WEATHER, {"name": "now"}]))[1]["function"]["parameters"] == {"type": "object", "properties": {}}
+    assert parse_tools("  ") is None
+    for bad, words in (("[not json", "not valid JSON"), ('"get_weather"', "function declaration"), ('[{"description": "x"}]', 'Tool 1 has no "name"'),
+                       ('{"name": "f", "parameters": 3}', '"parameters" of tool')):  # fmt: skip
+        with pytest.raises(ToolsError, match=words):
+            parse_tools(bad)
+
+
+def test_tools_and_their_problems_in_the_chat(demo_app, client):
+    """A bare function declaration works; unusable tools give a readable note, not an error page,
+    and the conversation goes on without the failed turn."""
+    holder, _ = demo_app
+    with recording(holder.engine, "Sure.") as seen:
+        history = chat(client, "hi", tools=json.dumps(WEATHER))
+    assert recording.options[0]["tools"] == [{"type": "function", "function": WEATHER}]
+    assert title(history[-1]).startswith(STATS_TITLE)
+    bad = client.predict({"text": "weather?", "files": []}, resend(history), "", 0.0, 0.95, 64, 8, False, 280, '[{"description": "no name"}]', api_name="/chat")[0]
+    assert is_error(bad[-1]) and 'Tool 1 has no "name"' in error_text(bad[-1])
+    with recording(holder.engine, "Fine.") as seen:
+        chat(client, "then without tools", bad)
+    assert [m["content"] for m in seen[0] if m["role"] == "user"] == ["hi", "then without tools"]
+    # A tool-call block that is not valid JSON (an edited or older history) is sent as its text.
+    broken = history + [{"role": "assistant", "content": [{"type": "text", "text": "{not json"}], "metadata": {"title": "Tool call: f"}}]
+    with recording(holder.engine, "Ok.") as seen:
+        after = chat(client, "go on", broken)
+    assert title(after[-1]).startswith(STATS_TITLE)
+    assert seen[0][2]["tool_calls"] == [{"type": "function", "function": {"name": "f", "arguments": "{not json"}}]
+
+
+def test_tool_call_and_result_round_trip(demo_app, client, media):
+    """After a tool call the next message is the tool's result: shown as such, and sent to the model
+    as the call's tool_responses, which the template renders as Gemma 4's <|tool_response>."""
+    holder, _ = demo_app
+    call = 'Checking.<|tool_call>call:get_weather{city:<|"|>Oslo<|"|>}<tool_call|>'
+    with recording(holder.engine, call):
+        history = chat(client, "weather in Oslo?", tools=json.dumps(WEATHER), max_tokens=100)
+    assert "your next message is sent as the tool's result" in title(history[-1])
+    with recording(holder.engine, "It is 12 degrees.") as seen:
+        history = chat(client, '{"temp_c": 12}', history, tools=json.dumps(WEATHER), max_tokens=100)
+    result = history[len(history) - 3]
+    assert result["role"] == "user" and title(result) == "Tool result: get_weather" and text(result) == '{"temp_c": 12}'
+    messages = seen[0]
+    assert messages[-2] == {"role": "assistant", "content": "Checking."}
+    assert messages[-1]["tool_responses"] == [{"name": "get_weather", "response": {"temp_c": 12}}]
+    assert messages[-1]["content"] == "" and messages[-1]["tool_calls"][0]["function"]["arguments"] == {"city": "Oslo"}
+    prompt = holder.engine.processor.apply_chat_template(messages, tools=[{"type": "function", "function": WEATHER}])
+    tail = prompt[prompt.index("<|tool_call>") :]
+    assert "<|tool_response>response:get_weather{temp_c:12}<tool_response|>" in tail
+    assert "<|turn>" not in tail  # the reply goes on in the model's own turn
+    assert text(history[-2]) == "It is 12 degrees."
+    # The answer that followed the result belongs to that turn; a plain message comes after it.
+    with recording(holder.engine, "Bye.") as seen:
+        chat(client, "thanks", history, tools=json.dumps(WEATHER))
+    assert seen[0][-2]["content"] == "It is 12 degrees." and seen[0][-1] == {"role": "user", "content": "thanks"}
+    # Files cannot be a tool's result: a clear message, and nothing is added to the conversation.
+    with recording(holder.engine, call):
+        waiting = chat(client, "weather in Oslo?", tools=json.dumps(WEATHER), max_tokens=100)
+    with pytest.raises(Exception, match="send the result as text"):
+        chat(client, "here", waiting, files=[media / "picture.png"])
+
+
+def test_error_notes_are_styled_and_name_the_users_file(client, media):
+    history = chat(client, "look", files=[media / "broken.png"])
+    upload = history[0]["content"][0]["file"]
+    upload = upload if isinstance(upload, str) else upload["path"]
+    note_message = history[-1]
+    assert is_error(note_message) and not title(note_message)  # a note, not a reply or a collapsed block
+    heading, body = note_text(note_message)
+    assert heading == "Could not reply" and "broken.png" in body
+    assert upload not in body and "/gradio/" not in body
+    assert 'class="app-note app-note-error"' in text(note_message) and 'role="alert"' in text(note_message)
+    assert "> **Could not reply:**" in to_markdown(history, "m")
+
+
+# ---------------------------------------------------------------------------- python -m app as a user runs it
+def run_app(tmp_path, *args, env=None):
+    """``python -m app ARGS`` with its own home (cache) folder; stdout and stderr in one file."""
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    repo = Path(__file__).resolve().parent.parent
+    env = {**os.environ, "HOME": str(tmp_path / "home"), "PYTHONPATH": str(repo), "GRADIO_ANALYTICS_ENABLED": "False", **(env or {})}
+    log = open(tmp_path / "app.log", "w+")
+    proc = subprocess.Popen([sys.executable, "-m", "app", "--no-browser", *args], cwd=repo, env=env, stdout=log, stderr=subprocess.STDOUT)
+    return proc, tmp_path / "app.log"
+
+
+def wait_for(condition, timeout=120.0, proc=None):
+    end = time.time() + timeout
+    while not condition():
+        assert proc is None or proc.poll() is None, "the app exited"
+        assert time.time() < end, "timed out"
+        time.sleep(0.2)
+
+
+def test_busy_port_is_reported_plainly(tmp_path):
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        proc, log = run_app(tmp_path, "--demo", "--port", str(port))
+        assert proc.wait(120) == 2
+    output = log.read_text()
+    assert f"port {port} is in use" in output and f"--port {port + 1}" in output
+    assert "Traceback" not in output
+
+
+def test_first_run_without_the_hub_says_what_to_do(tmp_path):
+    """No Hub (offline, nothing cached): the terminal and the page say what failed and what to do."""
+    port = free_port()
+    env = {"HF_HUB_OFFLINE": "1", "HF_HOME": str(tmp_path / "hf")}
+    proc, log = run_app(tmp_path, "--port", str(port), env=env)
+    try:
+        wait_for(lambda: "python -m app --demo" in log.read_text() and "Running on local URL" in log.read_text(), proc=proc)
+        output = log.read_text()
+        assert "Could not load google/gemma-4-E2B-it" in output and "10.2 GB" in output and "--model /path/to/folder" in output
+        assert "Traceback" not in output
+        history = chat(Client(f"http://127.0.0.1:{port}/", verbose=False), "hello")
+        heading, body = note_text(history[-1])
+        assert heading == "The model is not loaded" and "python -m app --demo" in body and "10.2 GB" in body
+    finally:
+        proc.send_signal(2)
+        proc.wait(60)
+
+
+def test_ctrl_c_during_a_reply_exits_cleanly(tmp_path):
+    """SIGINT while a reply streams: the app stops the reply and the model thread and exits with 0
+    (not abort's 134 from a thread killed inside MLX)."""
+    port = free_port()
+    proc, log = run_app(tmp_path, "--demo", "--port", str(port))
+    try:
+        wait_for(lambda: "Running on local URL" in log.read_text(), proc=proc)
+        client = Client(f"http://127.0.0.1:{port}/", verbose=False)
+        job = client.submit({"text": "go on", "files": []}, [], "", 0.0, 0.95, 64, 4000, False, 280, "", api_name="/chat")
+        wait_for(lambda: len(job.outputs()) > 5, proc=proc)  # greedy demo replies run to max tokens
+        proc.send_signal(2)
+        rc = proc.wait(60)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    output = log.read_text()
+    assert rc == 0, output[-3000:]
+    assert "terminate called" not in output and "Traceback" not in output
