@@ -374,7 +374,9 @@ class _Chat:
 
     def wire(self) -> None:
         p = self.page
+        # No progress overlays: one over the input box would cover its Stop button during a reply.
         private = dict(api_visibility="private")
+        quick = dict(queue=False, show_progress="hidden", **private)
         gen = dict(concurrency_id="model", concurrency_limit=1, show_progress="hidden")
         inputs = [p.chatbot, *p.settings]
         finish = self.finish
@@ -384,27 +386,27 @@ class _Chat:
         p.api_stop.click(self.stop, None, None, api_name="stop", queue=False)
         p.api_export.click(finish.export_file, [p.chatbot], [p.export], api_name="export", queue=False)
 
-        sent = p.textbox.submit(self.add_message, [p.textbox, p.chatbot], [p.chatbot, p.textbox], queue=False, **private)
-        sent = sent.success(finish.save, finish.inputs, finish.save_outputs, queue=False, **private)
+        sent = p.textbox.submit(self.add_message, [p.textbox, p.chatbot], [p.chatbot, p.textbox], **quick)
+        sent = sent.success(finish.save, finish.inputs, finish.save_outputs, **quick)
         finish.after(sent.success(self.stream, inputs, [p.chatbot], **gen, **private))
-        p.textbox.stop(self.stop, None, None, queue=False, **private)
+        p.textbox.stop(self.stop, None, None, **quick)
 
         for trigger, fn, name in ((p.regenerate.click, self.regenerate, "regenerate"), (p.chatbot.retry, self.retry, None), (p.chatbot.edit, self.edit, None)):
-            started = trigger(self.streaming, None, [p.textbox], queue=False, **private)
+            started = trigger(self.streaming, None, [p.textbox], **quick)
             api = dict(api_name=name) if name else private
             finish.after(started.then(fn, inputs, [p.chatbot], **gen, **api))
 
         # Undo and clear stop a running reply and wait in its queue: run beside it, they could be
         # overwritten by the reply's last update, which would bring the removed messages back.
         for trigger in (p.chatbot.undo, p.undo.click, p.clear.click):
-            trigger(self.stop, None, None, queue=False, **private)
+            trigger(self.stop, None, None, **quick)
         finish.after(p.chatbot.undo(self.undo_event, [p.chatbot], [p.chatbot, p.textbox], **gen, **private))
         finish.after(p.undo.click(self.undo, [p.chatbot], [p.chatbot, p.textbox], api_name="undo", **gen))
         finish.after(p.clear.click(lambda: [], None, [p.chatbot], api_name="clear", **gen))
 
         timer = gr.Timer(1.0)
-        timer.tick(self.status, None, [p.status, timer], show_progress="hidden", queue=False, **private)
-        gr.context.get_blocks_context().root_block.load(self.status, None, [p.status, timer], queue=False, **private)
+        timer.tick(self.status, None, [p.status, timer], **quick)
+        gr.context.get_blocks_context().root_block.load(self.status, None, [p.status, timer], **quick)
 
     def status(self):
         holder = self.holder
@@ -462,7 +464,7 @@ class _Finish:
 
     def after(self, event) -> None:
         p = self.page
-        event.then(self.done, self.inputs, [p.store, p.conversations, p.textbox, p.export], queue=False, api_visibility="private")
+        event.then(self.done, self.inputs, [p.store, p.conversations, p.textbox, p.export], queue=False, show_progress="hidden", api_visibility="private")
 
     def export_file(self, history) -> str:
         """The conversation as a Markdown file named after its first message (for the Export button)."""
@@ -493,7 +495,7 @@ def _file_name(text: str) -> str:
 def _wire_store(page: Page, chat: _Chat, finish: _Finish) -> None:
     """The conversation list: restore on load, new, switch, rename, delete; settings saved as changed."""
     p = page
-    private = dict(queue=False, api_visibility="private")
+    private = dict(queue=False, show_progress="hidden", api_visibility="private")
     shown = [p.store, p.chatbot, p.conversations, p.name, *p.settings, p.summary, p.textbox, p.export]
 
     def show(store):
