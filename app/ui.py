@@ -392,9 +392,10 @@ class _Chat:
         p.textbox.stop(self.stop, None, None, **quick)
 
         for trigger, fn, name in ((p.regenerate.click, self.regenerate, "regenerate"), (p.chatbot.retry, self.retry, None), (p.chatbot.edit, self.edit, None)):
-            started = trigger(self.streaming, None, [p.textbox], **quick)
+            # Two listeners, not a chain: only the trigger's own listeners get its data (RetryData, EditData).
+            trigger(self.streaming, None, [p.textbox], **quick)
             api = dict(api_name=name) if name else private
-            finish.after(started.then(fn, inputs, [p.chatbot], **gen, **api))
+            finish.after(trigger(fn, inputs, [p.chatbot], **gen, **api))
 
         # Undo and clear stop a running reply and wait in its queue: run beside it, they could be
         # overwritten by the reply's last update, which would bring the removed messages back.
