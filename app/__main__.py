@@ -82,8 +82,7 @@ def shutdown(app, holder: ModelHolder) -> None:
     app.close(verbose=False)
     if not holder.ready.is_set():
         print("Stopping the model loader…", file=sys.stderr, flush=True)
-    if not holder.close(timeout=60):
-        print("The model loader did not stop in time.", file=sys.stderr, flush=True)
+    holder.close(timeout=60)
 
 
 if __name__ == "__main__":

@@ -60,6 +60,7 @@ class ModelHolder:
         self.name = "demo (tiny random model)" if demo else (model or DEFAULT_MODEL)
         self._closing = threading.Event()
         self._thread: threading.Thread | None = None
+        self._downloading = False
 
     def start(self) -> "ModelHolder":
         # A daemon thread, so that a load cannot keep the process alive; close() stops it at exit.
@@ -72,6 +73,8 @@ class ModelHolder:
         thread killed inside MLX or while writing files aborts the process or leaves half a
         conversion). Loading itself cannot be interrupted; it is waited for. True if it ended."""
         self._closing.set()
+        if self._downloading:
+            return False  # not waited for: huggingface_hub resumes a cut download on the next run
         if self._thread is not None:
             self._thread.join(timeout)
             return not self._thread.is_alive()
@@ -141,14 +144,15 @@ class ModelHolder:
         """A local folder, or a Hub repo id downloaded; a clear ModelUnavailable when neither works."""
         from gemma4_mlx.loading import resolve_model_path
 
+        self._downloading = True
         try:
             return resolve_model_path(source, progress=self._download_progress)
         except FileNotFoundError as e:
             raise ModelUnavailable(unavailable_advice(source, str(e))) from None
+        finally:
+            self._downloading = False
 
     def _download_progress(self, bar: str) -> None:
-        if self._closing.is_set():
-            raise _Cancelled
         self.status = f"Downloading {self.source or DEFAULT_MODEL} (first use): {bar}"
 
     def _progress(self, message: str) -> None:
@@ -321,6 +325,11 @@ def pending_tool_calls(history: list[dict]) -> list[str]:
         elif not title:
             break  # an answer after the call: the model went on without a result (e.g. stopped)
     return calls
+
+
+def calls_label(calls: list[str]) -> str:
+    """The pending calls' names for the page ("the tool" for a call whose name did not parse)."""
+    return ", ".join(c if c and c != "?" else "the tool" for c in calls) or "the tool"
 
 
 def tool_result_message(text: str, calls: list[str]) -> dict:

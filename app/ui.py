@@ -31,6 +31,7 @@ from .backend import (
     WAIT_NOTE,
     ModelHolder,
     ToolsError,
+    calls_label,
     file_names,
     message_text,
     note,
@@ -289,11 +290,11 @@ class _Chat:
             self.replies._busy.discard(key)
         if chunk is not None:
             s = chunk.stats
-            calls = [c.name or "?" for c in chunk.reply.tool_calls]
+            calls = calls_label([c.name for c in chunk.reply.tool_calls])
             why = {
                 "length": " · stopped at max tokens",
                 "stopped": " · stopped",
-                "tool_call": f" · waiting for the result of {', '.join(calls) or 'the tool'}: your next message is sent as the tool's result",
+                "tool_call": f" · waiting for the result of {calls}: your next message is sent as the tool's result",
             }
             title = STATS_TITLE + s.summary() + why.get(chunk.finish_reason, "")
             history.append({"role": "assistant", "content": _stats_detail(s, chunk.finish_reason), "metadata": {"title": title, "status": "done"}})
@@ -434,7 +435,7 @@ def with_user_message(history, message) -> tuple[list | None, str | None]:
     calls = pending_tool_calls(history)
     if calls:
         if files:
-            return None, f"The last reply is waiting for the result of {', '.join(calls)}: send the result as text, then attach files to your next message."
+            return None, f"The last reply is waiting for the result of {calls_label(calls)}: send the result as text, then attach files to your next message."
         return history + [tool_result_message(text.strip(), calls)], None
     for f in files:
         path = f if isinstance(f, str) else f.get("path")
@@ -479,7 +480,7 @@ class _Finish:
 def _input_box(history) -> gr.MultimodalTextbox:
     """The input box in send mode; after a tool call it says that the next message is its result."""
     calls = pending_tool_calls(history or [])
-    placeholder = f"Type the result of {', '.join(calls)} (JSON or text): it is sent to the model as the tool's result" if calls else PLACEHOLDER
+    placeholder = f"Type the result of {calls_label(calls)} (JSON or text): it is sent to the model as the tool's result" if calls else PLACEHOLDER
     return gr.MultimodalTextbox(submit_btn=True, stop_btn=False, placeholder=placeholder)
 
 
