@@ -142,6 +142,12 @@ class Replies:
     def busy(self, request) -> bool:
         return self.key(request) in self._busy
 
+    def started(self, request) -> None:
+        self._busy.add(self.key(request))
+
+    def ended(self, request) -> None:
+        self._busy.discard(self.key(request))
+
     def stop(self, request) -> None:
         self.stop_event(request).set()
 
@@ -269,8 +275,7 @@ class _Chat:
             return
         stop = self.replies.stop_event(request)
         stop.clear()
-        key = self.replies.key(request)
-        self.replies._busy.add(key)
+        self.replies.started(request)
         reply_start = len(history)
         chunk = None
         try:
@@ -287,7 +292,7 @@ class _Chat:
             yield history + [note(file_names(history, str(e)), "Could not reply")]
             return
         finally:
-            self.replies._busy.discard(key)
+            self.replies.ended(request)
         if chunk is not None:
             s = chunk.stats
             calls = calls_label([c.name for c in chunk.reply.tool_calls])
