@@ -8,14 +8,38 @@
 from __future__ import annotations
 
 import argparse
+import errno
+import socket
 import sys
 
-from .backend import CACHE_DIR, DEFAULT_MODEL, ModelHolder
+from .backend import CACHE_DIR, DEFAULT_MODEL, E2B_DOWNLOAD, ModelHolder
+
+EXIT_PORT_IN_USE = 2
+
+
+def port_problem(host: str, port: int) -> str | None:
+    """Why the app cannot listen on ``host:port`` (in use, not allowed), or None if it can."""
+    try:
+        infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)
+    except socket.gaierror as e:
+        return f"cannot listen on {host}: {e.strerror}"
+    family, _, _, _, address = infos[0]
+    with socket.socket(family, socket.SOCK_STREAM) as s:
+        # As uvicorn binds (SO_REUSEADDR): a port that only has connections closing is free.
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            s.bind(address)
+        except OSError as e:
+            if e.errno == errno.EADDRINUSE:
+                return f"port {port} is in use (another app, or another copy of this one?); try --port {port + 1}"
+            return f"cannot listen on {host}:{port}: {e.strerror}"
+    return None
 
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m app", description="A local multimodal chat with Gemma 4 on MLX.")
-    p.add_argument("--model", default=None, help=f"converted folder, HF folder or Hub repo id (default: {DEFAULT_MODEL})")
+    p.add_argument("--model", default=None, help=f"converted folder, HF folder or Hub repo id (default: {DEFAULT_MODEL}; "
+                   f"the first run downloads {E2B_DOWNLOAD} and converts it)")  # fmt: skip
     p.add_argument("--quantize", type=int, default=None, choices=[4, 8], metavar="BITS",
                    help=f"convert an unquantized checkpoint to BITS (4 or 8) on first use, cached in {CACHE_DIR} "
                         "(default: 4 for the default model, none otherwise)")  # fmt: skip
@@ -28,15 +52,37 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--no-browser", action="store_true", help="do not open the browser")
     args = p.parse_args(argv)
 
+    # Checked before anything starts: Gradio would only fail after the model began loading, with a
+    # traceback. (Another program can still take the port in between; Gradio then reports it.)
+    problem = port_problem(args.host, args.port)
+    if problem:
+        print(f"python -m app: {problem}", file=sys.stderr)
+        return EXIT_PORT_IN_USE
+
     bits = args.quantize
     if bits is None and args.model is None and not args.no_quantize:
         bits = 4
-    from .ui import build_app
+    from .ui import build_app, launch
 
     holder = ModelHolder(args.model, bits, demo=args.demo, dtype=args.dtype).start()
     app = build_app(holder)
-    app.queue().launch(server_name=args.host, server_port=args.port, share=args.share, inbrowser=not args.no_browser)
+    try:
+        # Blocks until Ctrl-C (Gradio catches it and closes the server).
+        launch(app, server_name=args.host, server_port=args.port, share=args.share, inbrowser=not args.no_browser)
+    finally:
+        shutdown(app, holder)
     return 0
+
+
+def shutdown(app, holder: ModelHolder) -> None:
+    """Stop what the app started before the interpreter exits: a thread still inside MLX or writing a
+    conversion when it is killed aborts the process ("terminate called without an active exception")
+    or leaves half a folder. The library's engine joins its own thread at exit."""
+    app.replies.stop_all()
+    app.close(verbose=False)
+    if not holder.ready.is_set():
+        print("Stopping the model loader…", file=sys.stderr, flush=True)
+    holder.close(timeout=60)
 
 
 if __name__ == "__main__":

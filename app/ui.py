@@ -1,17 +1,21 @@
 """The chat page (Gradio Blocks).
 
-One generator, ``chat``, serves every turn: it adds the user's message to the history, rebuilds the
-model conversation from the history, and streams the reply into it (reasoning and tool calls as
-their own collapsible blocks, then a statistics line). Regenerate, edit and undo edit the history
-and call the same code; the engine's prefix cache makes that cheap.
+One generator, :func:`_Chat.reply`, serves every turn: it rebuilds the model conversation from the
+page's history and streams the reply into it (reasoning and tool calls as their own collapsible
+blocks, then a statistics line). Sending, regenerate, retry, edit and undo edit the history and
+call the same code; the engine's prefix cache makes that cheap.
+
+The browser keeps the conversations (a list in the sidebar, each with its own settings) in its
+local storage through gr.BrowserState; app/store.py holds the store's logic.
 """
 
 from __future__ import annotations
 
-import itertools
-import json
+import html
+import re
 import tempfile
 import threading
+from dataclasses import dataclass
 from pathlib import Path
 
 import gradio as gr
@@ -19,119 +23,340 @@ import gradio as gr
 from gemma4_mlx.generate import ContextLengthError
 from gemma4_mlx.multimodal import MediaError
 
+from . import store as convs
 from .backend import (
-    ERROR_TITLE,
     STATS_TITLE,
     THINKING_TITLE,
     TOOL_TITLE,
-    WAIT_TITLE,
+    WAIT_NOTE,
     ModelHolder,
+    ToolsError,
+    calls_label,
+    file_names,
     message_text,
+    note,
+    parse_tools,
+    pending_tool_calls,
     to_markdown,
     to_model_messages,
+    tool_result_message,
     unsupported_media,
 )
+from .mathtext import from_display, to_display
 
 IMAGE_BUDGETS = [70, 140, 280, 560, 1120]
+# No single-$ delimiter: KaTeX's auto-render would pair the dollars of "$5 and $10". Replies' $...$
+# math that follows the usual rule is shown as \(...\) instead (app/mathtext.py, Chatbot below).
 LATEX = [
     {"left": "$$", "right": "$$", "display": True},
     {"left": "\\[", "right": "\\]", "display": True},
-    {"left": "$", "right": "$", "display": False},
     {"left": "\\(", "right": "\\)", "display": False},
 ]
+PLACEHOLDER = "Message Gemma (Enter to send, Shift+Enter for a new line)"
+STORAGE_KEY = "gemma4-mlx-conversations"
+CSS = """
+.app-note { border-left: 4px solid #d93025; background: #fdecea; color: #5f2120; padding: 8px 12px; border-radius: 6px; }
+.app-note strong { display: block; margin-bottom: 2px; }
+.app-note.app-note-wait { border-left-color: #1a73e8; background: #e8f0fe; color: #174ea6; }
+.dark .app-note { background: #3c1f1d; color: #f6c8c3; }
+.dark .app-note.app-note-wait { background: #1c2b41; color: #c6dafc; }
+#status p, #conversation-settings p { margin: 0; font-size: var(--text-sm); }
+#title h2 { margin: 0; font-size: var(--text-xl); }
+#conversations .wrap { flex-direction: column; align-items: stretch; }
+#conversations label { width: 100%; }
+#actions button { min-width: 0; }
+"""
+
+
+class Chatbot(gr.Chatbot):
+    """gr.Chatbot whose page shows replies' inline ``$...$`` math as ``\\(...\\)`` (app/mathtext.py).
+
+    Done where values cross to and from the page, so every event, the store and the model see the
+    text exactly as the model wrote it. ``is_template`` makes Gradio use gr.Chatbot's frontend."""
+
+    is_template = True
+
+    def postprocess(self, value):
+        return super().postprocess(_map_replies(value, to_display))
+
+    def preprocess(self, payload):
+        return _map_replies(super().preprocess(payload), from_display)
+
+
+def _map_replies(history, fn):
+    """A copy of ``history`` with ``fn`` applied to the text of assistant messages."""
+    if not isinstance(history, list):
+        return history
+    out = []
+    for m in history:
+        if isinstance(m, dict) and m.get("role") == "assistant":
+            content = m.get("content")
+            if isinstance(content, str):
+                m = {**m, "content": fn(content)}
+            elif isinstance(content, list):
+                m = {**m, "content": [{**p, "text": fn(p["text"])} if isinstance(p, dict) and p.get("type") == "text" and isinstance(p.get("text"), str) else p for p in content]}
+        out.append(m)
+    return out
+
+
+@dataclass
+class Page:
+    """The page's components."""
+
+    store: gr.BrowserState
+    new_chat: gr.Button
+    conversations: gr.Radio
+    name: gr.Textbox
+    delete: gr.Button
+    confirm_row: gr.Row
+    confirm_delete: gr.Button
+    cancel_delete: gr.Button
+    settings: list  # in store.SETTING_NAMES order
+    status: gr.Markdown
+    summary: gr.Markdown
+    chatbot: Chatbot
+    textbox: gr.MultimodalTextbox
+    regenerate: gr.Button
+    undo: gr.Button
+    clear: gr.Button
+    export: gr.DownloadButton
+    api_button: gr.Button
+    api_stop: gr.Button
+    api_export: gr.Button
+
+
+class Replies:
+    """Per browser session: the stop flag of its running reply and whether one is running."""
+
+    def __init__(self):
+        self._stops: dict[str, threading.Event] = {}
+        self._busy: set[str] = set()
+
+    @staticmethod
+    def key(request: gr.Request | None) -> str:
+        return request.session_hash if request is not None and request.session_hash else "default"
+
+    def stop_event(self, request) -> threading.Event:
+        return self._stops.setdefault(self.key(request), threading.Event())
+
+    def busy(self, request) -> bool:
+        return self.key(request) in self._busy
+
+    def started(self, request) -> None:
+        self._busy.add(self.key(request))
+
+    def ended(self, request) -> None:
+        self._busy.discard(self.key(request))
+
+    def stop(self, request) -> None:
+        self.stop_event(request).set()
+
+    def stop_all(self) -> None:
+        """Stop every running reply (the app is exiting)."""
+        for event in list(self._stops.values()):
+            event.set()
 
 
 def build_app(holder: ModelHolder) -> gr.Blocks:
-    """The Blocks app for a model that ``holder`` loads in the background."""
-    stop_events: dict[str, threading.Event] = {}
-    # Exports are written here and copied into Gradio's cache; removed when the process exits.
-    exports = tempfile.TemporaryDirectory(prefix="gemma4-chat-")
-    export_count = itertools.count(1)
+    """The Blocks app for a model that ``holder`` loads in the background. Launch it with
+    :func:`launch` (it passes the page's CSS); ``app.replies.stop_all()`` stops running replies."""
+    with gr.Blocks(title="Gemma 4 on MLX", fill_height=True) as demo:
+        page = _layout(holder)
+        finish = _Finish(holder, page)
+        chat = _Chat(holder, Replies(), page, finish)
+        chat.wire()
+        _wire_store(page, chat, finish)
+    demo.replies = chat.replies
+    return demo
 
-    def stop_event(request: gr.Request | None) -> threading.Event:
-        key = request.session_hash if request is not None and request.session_hash else "default"
-        return stop_events.setdefault(key, threading.Event())
 
-    def respond(history, system, temperature, top_p, top_k, max_tokens, thinking, image_tokens, tools_json, request):
-        """Stream the reply to the conversation in ``history`` (ending with the user's turn)."""
+def launch(app: gr.Blocks, **kwargs):
+    """``app.queue().launch(**kwargs)`` with the page's CSS."""
+    return app.queue().launch(css=CSS, **kwargs)
+
+
+def _layout(holder: ModelHolder) -> Page:
+    defaults = convs.SETTINGS_DEFAULTS
+    secret = convs.browser_secret()
+    store = gr.BrowserState(convs.normalize(None), storage_key=STORAGE_KEY, secret=secret)
+    with gr.Sidebar(open=False, label="Conversations"):
+        new_chat = gr.Button("New chat", variant="primary", size="sm", elem_id="new-chat")
+        conversations = gr.Radio([], label="Conversations", elem_id="conversations")
+        name = gr.Textbox(label="Name of this conversation", max_lines=1, elem_id="conversation-name",
+                          placeholder="Named after its first message; Enter to rename")  # fmt: skip
+        delete = gr.Button("Delete this conversation", size="sm", variant="secondary", elem_id="delete")
+        with gr.Row(visible=False) as confirm_row:
+            confirm_delete = gr.Button("Delete", size="sm", variant="stop", elem_id="confirm-delete")
+            cancel_delete = gr.Button("Keep", size="sm", elem_id="cancel-delete")
+        with gr.Accordion("Settings of this conversation", open=False, elem_id="settings"):
+            system = gr.Textbox(defaults["system"], label="System prompt", lines=3, placeholder="You are a helpful assistant.", elem_id="system")
+            thinking = gr.Checkbox(label="Thinking (show the model's reasoning)", value=defaults["thinking"], elem_id="thinking")
+            temperature = gr.Slider(0.0, 2.0, value=defaults["temperature"], step=0.05, label="Temperature (0 = greedy)")
+            top_p = gr.Slider(0.0, 1.0, value=defaults["top_p"], step=0.01, label="Top-p")
+            top_k = gr.Slider(0, 200, value=defaults["top_k"], step=1, label="Top-k (0 = off)")
+            max_tokens = gr.Slider(1, 8192, value=defaults["max_tokens"], step=1, label="Max new tokens")
+            image_tokens = gr.Dropdown(IMAGE_BUDGETS, value=defaults["image_tokens"], label="Image token budget (more = finer detail, slower)")
+            tools = gr.Code(defaults["tools"], label="Tools: function declarations (JSON: one, or a list)", language="json", lines=6, elem_id="tools")
+    by_name = {"system": system, "thinking": thinking, "temperature": temperature, "top_p": top_p, "top_k": top_k,
+               "max_tokens": max_tokens, "image_tokens": image_tokens, "tools": tools}  # fmt: skip
+    gr.Markdown(f"## Gemma 4 · {holder.name}", elem_id="title")
+    status = gr.Markdown(holder.status, elem_id="status")
+    summary = gr.Markdown(_summary(dict(defaults)), elem_id="conversation-settings")
+    chatbot = Chatbot(
+        label="Chat", elem_id="chatbot", scale=1, min_height=160, editable="user", latex_delimiters=LATEX,
+        buttons=["copy", "copy_all"], placeholder="Ask anything. Attach images, audio or video, or record from the microphone.",
+    )  # fmt: skip
+    textbox = gr.MultimodalTextbox(
+        placeholder=PLACEHOLDER, file_count="multiple", file_types=["image", "audio", "video"], sources=["upload", "microphone"],
+        show_label=False, elem_id="input", submit_btn=True, stop_btn=False,
+    )  # fmt: skip
+    with gr.Row(elem_id="actions"):
+        regenerate = gr.Button("Regenerate", size="sm", elem_id="regenerate", min_width=60)
+        undo = gr.Button("Undo", size="sm", elem_id="undo", min_width=60)
+        clear = gr.Button("Clear", size="sm", elem_id="clear", min_width=60)
+        export = gr.DownloadButton("Export", size="sm", elem_id="export", min_width=60)
+    # Hidden: they carry API endpoints whose page counterparts work differently (the page sends in
+    # steps, stops from the send button and exports on every change).
+    api_button, api_stop, api_export = (gr.Button(visible=False) for _ in range(3))
+    return Page(store, new_chat, conversations, name, delete, confirm_row, confirm_delete, cancel_delete,
+                [by_name[n] for n in convs.SETTING_NAMES], status, summary, chatbot, textbox, regenerate, undo, clear, export,
+                api_button, api_stop, api_export)  # fmt: skip
+
+
+def _summary(settings: dict) -> str:
+    """The line above the chat that says how this conversation is set up."""
+    system = " ".join(settings["system"].split())
+    system = f"“{html.escape(system[:80])}{'…' if len(system) > 80 else ''}”" if system else "none"
+    parts = [f"System prompt: {system}", f"Thinking: {'on' if settings['thinking'] else 'off'}"]
+    try:
+        tools = parse_tools(settings["tools"])
+    except ToolsError:
+        parts.append("Tools: not valid (see Settings)")
+    else:
+        if tools:
+            parts.append("Tools: " + ", ".join(html.escape(t["function"]["name"]) for t in tools))
+    return " · ".join(parts)
+
+
+def _settings(values) -> dict:
+    return dict(zip(convs.SETTING_NAMES, values))
+
+
+# ---------------------------------------------------------------------------- chat events
+class _Chat:
+    """The chat's events: send, reply, stop, regenerate, retry, edit, undo, clear."""
+
+    def __init__(self, holder: ModelHolder, replies: Replies, page: Page, finish: "_Finish"):
+        self.holder, self.replies, self.page, self.finish = holder, replies, page, finish
+
+    def reply(self, history: list, values: list, request) -> "iter":
+        """Stream the reply to ``history`` (which ends with the user's turn) as updated histories."""
+        holder = self.holder
+        history = list(history or [])
+        if not history or history[-1].get("role") != "user":
+            yield history  # nothing to answer
+            return
+        settings = _settings(values)
         if not holder.ready.is_set():
-            yield history + [_note("Waiting for the model to load…", WAIT_TITLE)]
+            yield history + [note("Waiting for the model to load… (progress at the top of the page)", "Please wait", WAIT_NOTE)]
             holder.ready.wait()
         if holder.engine is None:
-            yield history + [_note(holder.status)]
+            yield history + [note(holder.status, "The model is not loaded")]
             return
         try:
-            tools = json.loads(tools_json) if tools_json and tools_json.strip() else None
-        except json.JSONDecodeError as e:
-            yield history + [_note(f"The tool definitions are not valid JSON: {e}")]
+            tools = parse_tools(settings["tools"])
+        except ToolsError as e:
+            yield history + [note(str(e) + " Fix it under Settings, then send again or press Regenerate.", "The tools setting cannot be used")]
             return
-        messages = to_model_messages(history, system)
+        messages = to_model_messages(history, settings["system"])
         problem = unsupported_media(messages, holder.capabilities)
         if problem:
-            yield history + [_note(problem)]
+            yield history + [note(problem, "This file cannot be used")]
             return
-        stop = stop_event(request)
+        stop = self.replies.stop_event(request)
         stop.clear()
+        self.replies.started(request)
         reply_start = len(history)
-        history = list(history)
         chunk = None
         try:
             stream = holder.engine.stream(
-                messages, max_tokens=int(max_tokens), temperature=float(temperature), top_p=float(top_p),
-                top_k=int(top_k), enable_thinking=bool(thinking), tools=tools,
-                max_soft_tokens=int(image_tokens), stop_event=stop,
+                messages, max_tokens=int(settings["max_tokens"]), temperature=float(settings["temperature"]),
+                top_p=float(settings["top_p"]), top_k=int(settings["top_k"]), enable_thinking=bool(settings["thinking"]),
+                tools=tools, max_soft_tokens=int(settings["image_tokens"]), stop_event=stop,
             )  # fmt: skip
             for chunk in stream:
                 history[reply_start:] = _reply_messages(chunk.reply, done=chunk.finish_reason is not None)
                 yield history
         except (MediaError, ContextLengthError, ValueError, OSError, RuntimeError) as e:
             del history[reply_start:]
-            yield history + [_note(str(e))]
+            yield history + [note(file_names(history, str(e)), "Could not reply")]
             return
+        finally:
+            self.replies.ended(request)
         if chunk is not None:
             s = chunk.stats
-            why = {"length": " · stopped at max tokens", "stopped": " · stopped", "tool_call": " · waiting for a tool result"}
+            calls = calls_label([c.name for c in chunk.reply.tool_calls])
+            why = {
+                "length": " · stopped at max tokens",
+                "stopped": " · stopped",
+                "tool_call": f" · waiting for the result of {calls}: your next message is sent as the tool's result",
+            }
             title = STATS_TITLE + s.summary() + why.get(chunk.finish_reason, "")
             history.append({"role": "assistant", "content": _stats_detail(s, chunk.finish_reason), "metadata": {"title": title, "status": "done"}})
         yield history
 
-    settings = []  # filled below, in the order `respond` takes them
+    # -- steps of the page's events
+    def add_message(self, request: gr.Request, message, history):
+        """The user's message (text and files) joins the history; the send button becomes Stop.
+        After a tool call, the text is sent as the tool's result."""
+        if self.replies.busy(request):
+            raise gr.Error("A reply is still being written: wait for it, or press Stop.", print_exception=False)
+        history, problem = with_user_message(history, message)
+        if problem:
+            raise gr.Error(problem, print_exception=False)
+        if history is None:
+            raise gr.Error("Type a message or attach a file first.", print_exception=False)
+        return history, gr.MultimodalTextbox(value=None, submit_btn=False, stop_btn=True, placeholder=PLACEHOLDER)
 
-    def chat(message, history, system, temperature, top_p, top_k, max_tokens, thinking, image_tokens, tools_json, request: gr.Request):
-        """Add the user's message (text and files) to the history and stream the reply."""
-        message = message or {}
-        text = (message.get("text") or "").strip() if isinstance(message, dict) else str(message).strip()
-        files = message.get("files", []) if isinstance(message, dict) else []
-        if not text and not files:
-            yield history, gr.update()
-            return
-        history = list(history or [])
-        for f in files:
-            path = f if isinstance(f, str) else f.get("path")
-            history.append({"role": "user", "content": {"path": path}})
-        if text:
-            history.append({"role": "user", "content": text})
-        yield history, gr.update(value=None)
-        for h in respond(history, system, temperature, top_p, top_k, max_tokens, thinking, image_tokens, tools_json, request):
-            yield h, gr.update()
+    def streaming(self):
+        """The send button shows Stop while a reply streams (regenerate, retry, edit)."""
+        return gr.MultimodalTextbox(submit_btn=False, stop_btn=True)
 
-    def regenerate(history, system, temperature, top_p, top_k, max_tokens, thinking, image_tokens, tools_json, request: gr.Request):
+    # Gradio passes its special arguments (gr.Request, gr.RetryData, ...) only to positional
+    # parameters, hence these come first, before the settings (*values).
+    def stream(self, request: gr.Request, history, *values):
+        yield from self.reply(history, list(values), request)
+
+    def regenerate(self, request: gr.Request, history, *values):
         """Drop everything after the last user message and reply again."""
         history = list(history or [])
         last_user = max((i for i, m in enumerate(history) if m["role"] == "user"), default=None)
         if last_user is None:
             yield history
             return
-        yield from respond(history[: last_user + 1], system, temperature, top_p, top_k, max_tokens, thinking, image_tokens, tools_json, request)
+        yield from self.reply(history[: last_user + 1], list(values), request)
 
-    def retry(history, system, temperature, top_p, top_k, max_tokens, thinking, image_tokens, tools_json, retry_data: gr.RetryData, request: gr.Request):
-        yield from respond(list(history)[: retry_data.index + 1], system, temperature, top_p, top_k, max_tokens, thinking, image_tokens, tools_json, request)
+    def retry(self, request: gr.Request, retry_data: gr.RetryData, history, *values):
+        yield from self.reply(list(history)[: retry_data.index + 1], list(values), request)
 
-    def edit(history, system, temperature, top_p, top_k, max_tokens, thinking, image_tokens, tools_json, edit_data: gr.EditData, request: gr.Request):
+    def edit(self, request: gr.Request, edit_data: gr.EditData, history, *values):
         history = list(history)[: edit_data.index + 1]
-        history[edit_data.index] = {"role": "user", "content": edit_data.value}
-        yield from respond(history, system, temperature, top_p, top_k, max_tokens, thinking, image_tokens, tools_json, request)
+        history[edit_data.index] = {**history[edit_data.index], "content": edit_data.value}
+        yield from self.reply(history, list(values), request)
 
+    def chat_api(self, request: gr.Request, message, history, *values):
+        """/chat: add the message and stream the reply, in one call (for gradio_client)."""
+        history, problem = with_user_message(history, message)
+        if problem:
+            raise gr.Error(problem, print_exception=False)
+        if history is None:
+            yield [], gr.update()
+            return
+        yield history, gr.update(value=None)
+        for h in self.reply(history, list(values), request):
+            yield h, gr.update()
+
+    @staticmethod
     def undo(history):
         """Remove the last exchange; its text goes back into the input box."""
         history = list(history or [])
@@ -139,97 +364,208 @@ def build_app(holder: ModelHolder) -> gr.Blocks:
         if last_user is None:
             return history, gr.update()
         first = last_user
-        while first > 0 and history[first - 1]["role"] == "user":
+        while first > 0 and history[first - 1]["role"] == "user" and not pending_tool_calls(history[: first]):
             first -= 1
         text = "\n".join(message_text(m) for m in history[first : last_user + 1] if message_text(m))
         return history[:first], {"text": text, "files": []}
 
+    @staticmethod
     def undo_event(history, undo_data: gr.UndoData):
         history = list(history)
         return history[: undo_data.index], {"text": message_text(history[undo_data.index]), "files": []}
 
-    def stop(request: gr.Request):
+    def stop(self, request: gr.Request):
         """Stop the running reply after the current token."""
-        stop_event(request).set()
+        self.replies.stop(request)
 
-    def export(history):
-        path = Path(exports.name) / f"conversation-{next(export_count)}.md"
-        path.write_text(to_markdown(history or [], holder.name), encoding="utf-8")
-        return str(path)
-
-    def status():
-        caps = holder.capabilities
-        media = ", ".join(k for k, v in caps.items() if v) or "text only"
-        text = holder.status + (f" · input: text, {media}" if holder.engine is not None else "")
-        return text, gr.Timer(active=not holder.ready.is_set())
-
-    with gr.Blocks(title="Gemma 4 on MLX", fill_height=True) as demo:
-        saved = gr.BrowserState([], storage_key="gemma4-mlx-chat")
-        with gr.Sidebar(open=False):
-            gr.Markdown("### Settings")
-            system = gr.Textbox("", label="System prompt", lines=3, placeholder="You are a helpful assistant.")
-            thinking = gr.Checkbox(label="Thinking (show the model's reasoning)", value=False)
-            temperature = gr.Slider(0.0, 2.0, value=1.0, step=0.05, label="Temperature (0 = greedy)")
-            top_p = gr.Slider(0.0, 1.0, value=0.95, step=0.01, label="Top-p")
-            top_k = gr.Slider(0, 200, value=64, step=1, label="Top-k (0 = off)")
-            max_tokens = gr.Slider(1, 8192, value=1024, step=1, label="Max new tokens")
-            image_tokens = gr.Dropdown(IMAGE_BUDGETS, value=280, label="Image token budget (more = finer detail, slower)")
-            tools = gr.Code("", label="Tools (JSON list of function declarations, optional)", language="json", lines=6)
-        settings += [system, temperature, top_p, top_k, max_tokens, thinking, image_tokens, tools]
-        gr.Markdown(f"## Gemma 4 · {holder.name}")
-        status_line = gr.Markdown(holder.status, elem_id="status")
-        chatbot = gr.Chatbot(
-            label="Chat", elem_id="chatbot", height="70vh", editable="user", latex_delimiters=LATEX,
-            buttons=["copy", "copy_all"], placeholder="Ask anything. Attach images, audio or video, or record from the microphone.",
-        )  # fmt: skip
-        textbox = gr.MultimodalTextbox(
-            placeholder="Message Gemma (Enter to send, Shift+Enter for a new line)", file_count="multiple",
-            file_types=["image", "audio", "video"], sources=["upload", "microphone"], show_label=False, elem_id="input",
-        )  # fmt: skip
-        with gr.Row():
-            stop_btn = gr.Button("Stop", size="sm", elem_id="stop")
-            regen_btn = gr.Button("Regenerate", size="sm", elem_id="regenerate")
-            undo_btn = gr.Button("Undo", size="sm", elem_id="undo")
-            clear_btn = gr.Button("Clear", size="sm", elem_id="clear")
-            export_btn = gr.DownloadButton("Export Markdown", size="sm", elem_id="export")
-
-        timer = gr.Timer(1.0)
-        timer.tick(status, None, [status_line, timer], show_progress="hidden", queue=False, api_visibility="private")
-        demo.load(status, None, [status_line, timer], queue=False, api_visibility="private")
-
+    def wire(self) -> None:
+        p = self.page
+        # No progress overlays: one over the input box would cover its Stop button during a reply.
+        private = dict(api_visibility="private")
+        quick = dict(queue=False, show_progress="hidden", **private)
         gen = dict(concurrency_id="model", concurrency_limit=1, show_progress="hidden")
-        textbox.submit(chat, [textbox, chatbot, *settings], [chatbot, textbox], api_name="chat", **gen)
-        regen_btn.click(regenerate, [chatbot, *settings], [chatbot], api_name="regenerate", **gen)
-        chatbot.retry(retry, [chatbot, *settings], [chatbot], api_visibility="private", **gen)
-        chatbot.edit(edit, [chatbot, *settings], [chatbot], api_visibility="private", **gen)
-        stop_btn.click(stop, None, None, api_name="stop", queue=False)
+        inputs = [p.chatbot, *p.settings]
+        finish = self.finish
+        # For gradio_client: /chat (message and reply in one call), /stop and /export. First: the
+        # page's private events would otherwise take these names (their functions' names).
+        p.api_button.click(self.chat_api, [p.textbox, *inputs], [p.chatbot, p.textbox], api_name="chat", **gen)
+        p.api_stop.click(self.stop, None, None, api_name="stop", queue=False)
+        p.api_export.click(finish.export_file, [p.chatbot], [p.export], api_name="export", queue=False)
+
+        sent = p.textbox.submit(self.add_message, [p.textbox, p.chatbot], [p.chatbot, p.textbox], **quick)
+        sent = sent.success(finish.save, finish.inputs, finish.save_outputs, **quick)
+        finish.after(sent.success(self.stream, inputs, [p.chatbot], **gen, **private))
+        p.textbox.stop(self.stop, None, None, **quick)
+
+        for trigger, fn, name in ((p.regenerate.click, self.regenerate, "regenerate"), (p.chatbot.retry, self.retry, None), (p.chatbot.edit, self.edit, None)):
+            # Two listeners, not a chain: only the trigger's own listeners get its data (RetryData, EditData).
+            trigger(self.streaming, None, [p.textbox], **quick)
+            api = dict(api_name=name) if name else private
+            finish.after(trigger(fn, inputs, [p.chatbot], **gen, **api))
+
         # Undo and clear stop a running reply and wait in its queue: run beside it, they could be
         # overwritten by the reply's last update, which would bring the removed messages back.
-        for trigger in (chatbot.undo, undo_btn.click, clear_btn.click):
-            trigger(stop, None, None, queue=False, api_visibility="private")
-        undone = chatbot.undo(undo_event, [chatbot], [chatbot, textbox], api_visibility="private", **gen)
-        undone_by_button = undo_btn.click(undo, [chatbot], [chatbot, textbox], api_name="undo", **gen)
-        cleared = clear_btn.click(lambda: [], None, [chatbot], api_name="clear", **gen)
-        export_btn.click(export, [chatbot], [export_btn], api_name="export")
+        for trigger in (p.chatbot.undo, p.undo.click, p.clear.click):
+            trigger(self.stop, None, None, **quick)
+        finish.after(p.chatbot.undo(self.undo_event, [p.chatbot], [p.chatbot, p.textbox], **gen, **private))
+        finish.after(p.undo.click(self.undo, [p.chatbot], [p.chatbot, p.textbox], api_name="undo", **gen))
+        finish.after(p.clear.click(lambda: [], None, [p.chatbot], api_name="clear", **gen))
 
-        # Conversations survive page reloads: the history is kept in the browser's local storage.
-        # The chatbot reports a change with its empty initial value as the page loads; saving that
-        # raced the restore below and could erase the saved conversation. So a change saves only a
-        # non-empty history, and the events that can empty the chat (clear, undo) save after them.
-        save = dict(queue=False, api_visibility="private")
-        chatbot.change(lambda h: h if h else gr.skip(), [chatbot], [saved], **save)
-        for emptying in (cleared, undone, undone_by_button):
-            emptying.then(lambda h: h, [chatbot], [saved], **save)
-        demo.load(lambda h: h, [saved], [chatbot], **save)
-    return demo
+        timer = gr.Timer(1.0)
+        timer.tick(self.status, None, [p.status, timer], **quick)
+        gr.context.get_blocks_context().root_block.load(self.status, None, [p.status, timer], **quick)
+
+    def status(self):
+        holder = self.holder
+        caps = holder.capabilities
+        media = ", ".join(k for k, v in caps.items() if v) or "text only"
+        if holder.ready.is_set() and holder.engine is None:
+            lines = holder.status.split("\n")
+            text = note("\n".join(lines[1:]) if len(lines) > 1 else "", lines[0])["content"]
+        else:
+            text = holder.status + (f" · input: text, {media}" if holder.engine is not None else "")
+        return text, gr.Timer(active=not holder.ready.is_set())
 
 
-def _note(text: str, title: str = ERROR_TITLE) -> dict:
-    return {"role": "assistant", "content": text, "metadata": {"title": title + text.split("\n")[0][:80]}}
+def with_user_message(history, message) -> tuple[list | None, str | None]:
+    """(history with the user's message added, None), (None, None) for an empty message, or
+    (None, problem). Files become messages of their own (as the Chatbot shows them); after a tool
+    call, the text is the tool's result."""
+    message = message or {}
+    text = (message.get("text") or "") if isinstance(message, dict) else str(message)
+    files = message.get("files", []) if isinstance(message, dict) else []
+    if not text.strip() and not files:
+        return None, None
+    history = list(history or [])
+    calls = pending_tool_calls(history)
+    if calls:
+        if files:
+            return None, f"The last reply is waiting for the result of {calls_label(calls)}: send the result as text, then attach files to your next message."
+        return history + [tool_result_message(text.strip(), calls)], None
+    for f in files:
+        path = f if isinstance(f, str) else f.get("path")
+        history.append({"role": "user", "content": {"path": path}})
+    if text.strip():
+        history.append({"role": "user", "content": text.strip()})
+    return history, None
+
+
+class _Finish:
+    """What follows every change of the conversation: save it, restore the send button, refresh
+    the conversation list and the export file."""
+
+    def __init__(self, holder: ModelHolder, page: Page):
+        self.holder, self.page = holder, page
+        self.exports = tempfile.TemporaryDirectory(prefix="gemma4-chat-")  # removed at exit
+        p = page
+        self.inputs = [p.store, p.chatbot, *p.settings]
+        self.save_outputs = [p.store, p.conversations]
+
+    def save(self, store, history, *values):
+        store = convs.save(store, history, _settings(values))
+        return store, gr.Radio(choices=convs.choices(store), value=store["active"])
+
+    def done(self, store, history, *values):
+        store, radio = self.save(store, history, *values)
+        return store, radio, _input_box(history), self.export_file(history)
+
+    def after(self, event) -> None:
+        p = self.page
+        event.then(self.done, self.inputs, [p.store, p.conversations, p.textbox, p.export], queue=False, show_progress="hidden", api_visibility="private")
+
+    def export_file(self, history) -> str:
+        """The conversation as a Markdown file named after its first message (for the Export button)."""
+        name = _file_name(_first_user_text(history or [])) or "conversation"
+        folder = Path(tempfile.mkdtemp(dir=self.exports.name))
+        path = folder / f"{name}.md"
+        path.write_text(to_markdown(history or [], self.holder.name), encoding="utf-8")
+        return str(path)
+
+
+def _input_box(history) -> gr.MultimodalTextbox:
+    """The input box in send mode; after a tool call it says that the next message is its result."""
+    calls = pending_tool_calls(history or [])
+    placeholder = f"Type the result of {calls_label(calls)} (JSON or text): it is sent to the model as the tool's result" if calls else PLACEHOLDER
+    return gr.MultimodalTextbox(submit_btn=True, stop_btn=False, placeholder=placeholder)
+
+
+def _first_user_text(history: list) -> str:
+    return next((message_text(m) for m in history if m.get("role") == "user" and message_text(m).strip()), "")
+
+
+def _file_name(text: str) -> str:
+    words = re.sub(r"[^\w\- ]+", "", " ".join(text.split()[:6]), flags=re.UNICODE).strip()
+    return words[:60]
+
+
+# ---------------------------------------------------------------------------- conversation store
+def _wire_store(page: Page, chat: _Chat, finish: _Finish) -> None:
+    """The conversation list: restore on load, new, switch, rename, delete; settings saved as changed."""
+    p = page
+    private = dict(queue=False, show_progress="hidden", api_visibility="private")
+    shown = [p.store, p.chatbot, p.conversations, p.name, *p.settings, p.summary, p.textbox, p.export]
+
+    def show(store):
+        """Everything the page shows of the active conversation."""
+        conv = convs.active(store)
+        settings = conv["settings"]
+        return (store, conv["history"], gr.Radio(choices=convs.choices(store), value=conv["id"]), conv["title"],
+                *[settings[n] for n in convs.SETTING_NAMES], _summary(settings), _input_box(conv["history"]),
+                finish.export_file(conv["history"]))  # fmt: skip
+
+    def guard(request: gr.Request):
+        if chat.replies.busy(request):
+            raise gr.Error("Wait for the reply to finish (or press Stop) before changing conversations.", print_exception=False)
+
+    def restore(store):
+        return show(convs.normalize(store))
+
+    def new_chat(request: gr.Request, store, history, *values):
+        guard(request)
+        store = convs.save(store, history, _settings(values))
+        return show(convs.start_new(store, _settings(values)))
+
+    def switch(request: gr.Request, store, history, conversation_id, *values):
+        guard(request)
+        store = convs.save(store, history, _settings(values))
+        return show(convs.switch(store, conversation_id))
+
+    def rename(store, name):
+        store = convs.rename(store, name)
+        return store, gr.Radio(choices=convs.choices(store), value=store["active"])
+
+    def delete(request: gr.Request, store):
+        guard(request)
+        return show(convs.delete(store)) + (gr.Row(visible=False),)
+
+    def save_settings(store, history, *values):
+        store = convs.save(store, history, _settings(values))
+        return store, _summary(_settings(values))
+
+    demo = gr.context.get_blocks_context().root_block  # the Blocks being built
+    demo.load(restore, [p.store], shown, **private)
+    p.new_chat.click(new_chat, [p.store, p.chatbot, *p.settings], shown, **private)
+    p.conversations.input(switch, [p.store, p.chatbot, p.conversations, *p.settings], shown, **private)
+    gr.on([p.name.submit, p.name.blur], rename, [p.store, p.name], [p.store, p.conversations], **private)
+    p.delete.click(lambda: gr.Row(visible=True), None, [p.confirm_row], **private)
+    p.cancel_delete.click(lambda: gr.Row(visible=False), None, [p.confirm_row], **private)
+    p.confirm_delete.click(delete, [p.store], [*shown, p.confirm_row], **private)
+    # Settings are saved with the conversation when they change (text when it loses focus).
+    triggers = []
+    for component in p.settings:
+        if isinstance(component, (gr.Textbox, gr.Code)):
+            triggers.append(component.blur)
+        elif isinstance(component, gr.Slider):
+            triggers.append(component.release)
+        else:
+            triggers.append(component.input)
+    gr.on(triggers, save_settings, [p.store, p.chatbot, *p.settings], [p.store, p.summary], **private)
 
 
 def _reply_messages(reply, done: bool) -> list[dict]:
     """A reply as page messages: reasoning (collapsible, closed once done), answer, tool calls."""
+    import json
+
     messages = []
     if reply.thinking:
         messages.append({"role": "assistant", "content": reply.thinking, "metadata": {"title": THINKING_TITLE, "status": "done" if done else "pending"}})

@@ -14,8 +14,31 @@ import soundfile as sf
 from gradio_client import Client, handle_file
 from PIL import Image
 
-from app.backend import ERROR_TITLE, STATS_TITLE, ModelHolder, media_kind, to_markdown, to_model_messages, unsupported_media
+from app.backend import (
+    ERROR_NOTE,
+    STATS_TITLE,
+    ModelHolder,
+    media_kind,
+    note,
+    note_kind,
+    note_text,
+    to_markdown,
+    to_model_messages,
+    unsupported_media,
+)
 from app.ui import build_app
+from app.ui import launch as launch_app
+
+
+@pytest.fixture(scope="module", autouse=True)
+def cache_dir(tmp_path_factory):
+    """The app's cache (conversions, the page's storage secret) in a temporary folder."""
+    import app.backend
+
+    with pytest.MonkeyPatch.context() as mp:
+        folder = tmp_path_factory.mktemp("cache")
+        mp.setattr(app.backend, "CACHE_DIR", folder)
+        yield folder
 
 
 def free_port() -> int:
@@ -24,10 +47,10 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def launch(holder: ModelHolder):
+def launch(holder: ModelHolder, port: int | None = None):
     app = build_app(holder)
-    port = free_port()
-    app.queue().launch(server_name="127.0.0.1", server_port=port, prevent_thread_lock=True, quiet=True)
+    port = port or free_port()
+    launch_app(app, server_name="127.0.0.1", server_port=port, prevent_thread_lock=True, quiet=True)
     return app, f"http://127.0.0.1:{port}/"
 
 
@@ -63,14 +86,23 @@ def resend(history):
     return out
 
 
-def chat(client, text, history=(), files=(), temperature=0.0, max_tokens=8, **kwargs):
+def chat(client, text, history=(), files=(), temperature=0.0, max_tokens=8, system="", tools="", **kwargs):
     message = {"text": text, "files": [handle_file(str(f)) for f in files]}
-    history, box = client.predict(message, resend(history), "", temperature, 0.95, 64, max_tokens, False, 280, "", api_name="/chat", **kwargs)
+    history, box = client.predict(message, resend(history), system, temperature, 0.95, 64, max_tokens, False, 280, tools, api_name="/chat", **kwargs)
     return history
 
 
 def title(m):
     return (m.get("metadata") or {}).get("title") or ""
+
+
+def is_error(m):
+    return note_kind(m) == ERROR_NOTE
+
+
+def error_text(m):
+    heading, body = note_text(m)
+    return heading + ": " + body
 
 
 def text(m):
@@ -90,13 +122,13 @@ def test_text_turn_streams_a_reply_with_stats(client):
 def test_multimodal_turn_and_prefix_reuse(client, media):
     history = chat(client, "hello")
     history = chat(client, "what do you see and hear?", history, files=[media / "picture.png", media / "tone.wav"])
-    assert not any(title(m).startswith(ERROR_TITLE) for m in history), [text(m) for m in history]
+    assert not any(is_error(m) for m in history), [text(m) for m in history]
     stats = text(history[-1])
     reused = int(stats.split("prompt: ")[1].split(" tokens, ")[1].split(" reused")[0])
     assert reused > 0  # the first turn was not prefilled again
     # Media in an earlier turn keep working in later turns.
     history = chat(client, "and now?", history)
-    assert not any(title(m).startswith(ERROR_TITLE) for m in history)
+    assert not any(is_error(m) for m in history)
 
 
 def test_regenerate_gives_the_same_greedy_reply(client):
@@ -144,15 +176,15 @@ def test_stop_mid_stream(demo_app, client):
 
 def test_bad_inputs_give_clear_messages(client, media):
     history = chat(client, "look", files=[media / "broken.png"])
-    assert title(history[-1]).startswith(ERROR_TITLE)
-    assert "broken.png" in text(history[-1]) or "image" in text(history[-1]).lower()
+    assert is_error(history[-1])
+    assert "broken.png" in error_text(history[-1])
     # The conversation goes on; the failed turn is not sent to the model again.
     history = chat(client, "hello", history)
     assert title(history[-1]).startswith(STATS_TITLE)
     long = chat(client, "word " * 9000)
-    assert title(long[-1]).startswith(ERROR_TITLE) and "context" in text(long[-1])
+    assert is_error(long[-1]) and "context" in error_text(long[-1])
     bad_tools = client.predict({"text": "hi", "files": []}, [], "", 0.0, 0.95, 64, 8, False, 280, "[not json", api_name="/chat")[0]
-    assert "not valid JSON" in text(bad_tools[-1])
+    assert "not valid JSON" in error_text(bad_tools[-1])
 
 
 def test_undo_and_export(client):
@@ -172,8 +204,8 @@ def test_model_that_fails_to_load(tmp_path):
     try:
         assert holder.ready.wait(60) and holder.engine is None
         history = chat(Client(url, verbose=False), "hello")
-        assert title(history[-1]).startswith(ERROR_TITLE)
-        assert "Could not load" in text(history[-1]) and "no-such-model" in text(history[-1])
+        assert is_error(history[-1])
+        assert "Could not load" in error_text(history[-1]) and "no-such-model" in error_text(history[-1])
     finally:
         app.close()
 
@@ -191,7 +223,7 @@ def test_history_to_model_messages(tmp_path):
         {"role": "assistant", "content": "- stats", "metadata": {"title": STATS_TITLE + "1 s"}},
         {"role": "user", "content": "and this?"},
         {"role": "user", "content": [{"type": "file", "file": {"path": str(tmp_path / "b.wav")}}]},
-        {"role": "assistant", "content": "cannot", "metadata": {"title": ERROR_TITLE + "no audio"}},
+        note("cannot", "no audio"),
         {"role": "user", "content": "plain"},
         {"role": "assistant", "content": "ok"},
         {"role": "user", "content": [{"type": "file", "file": {"path": "/gone/old.png", "orig_name": "old.png"}}]},
@@ -232,7 +264,7 @@ def test_reasoning_and_tool_call_blocks(demo_app, client):
     assert titles[0] == "Reasoning" and text(history[1]) == "weather needed"
     assert titles[1] == "" and text(history[2]) == "Checking."
     assert titles[2] == "Tool call: get_weather" and json.loads(text(history[3])) == {"name": "get_weather", "arguments": {"city": "Oslo"}}
-    assert "waiting for a tool result" in titles[3]
+    assert "waiting for the result of get_weather" in titles[3]
     # The call goes back to the model as the assistant turn's tool_calls.
     messages = to_model_messages(history)
     assert messages[-1]["tool_calls"][0]["function"]["arguments"] == {"city": "Oslo"}
@@ -248,7 +280,8 @@ def test_first_use_conversion_is_cached(tmp_path, monkeypatch):
     source = save_checkpoint(build_hf_model("e2b"), tmp_path / "hf-e2b")
     holder = ModelHolder(str(source), 8).start()
     assert holder.ready.wait(120) and holder.engine is not None, holder.status
-    converted = tmp_path / "cache" / "hf-e2b-8bit"
+    converted = app.backend.conversion_cache_path(str(source), 8)
+    assert converted.parent == tmp_path / "cache" and converted.name.startswith("hf-e2b-local-")
     config = json.loads((converted / "config.json").read_text())
     assert config["quantization"]["bits"] == 8
     assert holder.status.startswith("Ready")
@@ -285,4 +318,309 @@ def test_hub_download_progress_shows_in_the_status(tmp_path, monkeypatch):
     assert holder.ready.wait(120) and holder.engine is not None, holder.status
     assert seen and seen[0].startswith("Downloading someone/gemma-4-tiny (first use): Downloading bytes")
     assert "1.00M/2.00M" in seen[0]
-    assert (tmp_path / "cache" / "gemma-4-tiny-8bit" / "config.json").exists()
+    assert (tmp_path / "cache" / "someone--gemma-4-tiny-8bit" / "config.json").exists()
+
+
+# ---------------------------------------------------------------------------- conversations kept by the browser
+def test_browser_secret_is_kept_per_user(tmp_path):
+    """The page's stored conversations are encrypted with a secret that survives a restart: kept in
+    the cache folder, readable by the user only, created once even by two apps starting together."""
+    import os
+    import stat
+    from concurrent.futures import ThreadPoolExecutor
+
+    from app.store import browser_secret
+
+    with ThreadPoolExecutor(8) as pool:
+        secrets = set(pool.map(lambda _: browser_secret(tmp_path / "c"), range(16)))
+    assert len(secrets) == 1 and len(secrets.pop()) >= 32
+    path = tmp_path / "c" / "browser-secret"
+    assert stat.S_IMODE(path.stat().st_mode) == 0o600
+    assert os.listdir(tmp_path / "c") == ["browser-secret"]  # no temporary files left behind
+    assert browser_secret(tmp_path / "c") == path.read_text().strip()
+    # Two apps built one after the other (a restart) give their BrowserState the same secret.
+    holder = ModelHolder(None, None, demo=True)
+    first, second = build_app(holder), build_app(holder)
+    secret = lambda app: next(b.secret for b in app.blocks.values() if type(b).__name__ == "BrowserState")  # noqa: E731
+    assert secret(first) == secret(second)
+
+
+def test_conversation_store():
+    from app import store
+
+    s = store.normalize({"conversations": "junk", "active": 3})  # anything a browser may send
+    assert len(s["conversations"]) == 1 and s["active"] == s["conversations"][0]["id"]
+    first = s["active"]
+    s = store.save(s, [{"role": "user", "content": "What is a monad, in plain words please?"}], {"system": "Be brief.", "thinking": True, "top_k": "bad"})
+    conv = store.active(s)
+    assert conv["settings"]["system"] == "Be brief." and conv["settings"]["thinking"] is True
+    assert conv["settings"]["top_k"] == store.SETTINGS_DEFAULTS["top_k"]  # a wrong type falls back
+    assert store.choices(s) == [("What is a monad, in plain words please?", first)]
+    s = store.start_new(s, conv["settings"])
+    second = s["active"]
+    assert second != first and store.active(s)["settings"]["system"] == "Be brief."  # a new chat keeps the setup
+    s = store.start_new(s, store.SETTINGS_DEFAULTS)  # the empty new chat is not kept twice
+    assert len(s["conversations"]) == 2
+    s = store.save(s, [{"role": "user", "content": "x" * 100}], store.SETTINGS_DEFAULTS)
+    assert store.choices(s)[0][0] == "x" * 40 + "…"
+    s = store.switch(s, first)
+    assert store.active(s)["settings"]["system"] == "Be brief."
+    s = store.rename(s, "  Monads  ")
+    assert dict((i, label) for label, i in store.choices(s))[first] == "Monads"
+    s = store.delete(s)
+    assert [c["id"] for c in s["conversations"]] != [] and first not in [c["id"] for c in s["conversations"]]
+    s = store.delete(s)  # the last one: a new, empty conversation takes its place
+    assert len(s["conversations"]) == 1 and store.active(s)["history"] == []
+
+
+def test_conversion_cache_is_keyed_by_the_full_source(tmp_path, monkeypatch):
+    """Two sources with the same last path component never share a converted folder."""
+    import app.backend
+    from app.backend import conversion_cache_path
+
+    monkeypatch.setattr(app.backend, "CACHE_DIR", tmp_path / "cache")
+    mine = tmp_path / "work" / "gemma-4-E2B-it"
+    other = tmp_path / "elsewhere" / "gemma-4-E2B-it"
+    for folder in (mine, other):
+        folder.mkdir(parents=True)
+    monkeypatch.chdir(tmp_path / "work")
+    paths = {
+        conversion_cache_path("google/gemma-4-E2B-it", 4),
+        conversion_cache_path("./gemma-4-E2B-it", 4),
+        conversion_cache_path(str(other), 4),
+        conversion_cache_path("org1/x", 4),
+        conversion_cache_path("org2/x", 4),
+    }
+    assert len(paths) == 5
+    assert conversion_cache_path("google/gemma-4-E2B-it", 4).name == "google--gemma-4-E2B-it-4bit"
+    assert conversion_cache_path("./gemma-4-E2B-it", 4) == conversion_cache_path(str(mine), 4)  # the same folder, however named
+    assert conversion_cache_path(str(mine), 4).name.startswith("gemma-4-E2B-it-local-")
+    assert conversion_cache_path(str(mine), 8) != conversion_cache_path(str(mine), 4)
+
+
+# ---------------------------------------------------------------------------- math in replies
+def test_display_math_round_trips_exactly():
+    """Replies are shown with their rule-following $...$ as \\(...\\); the text goes back unchanged."""
+    import random
+
+    from app.mathtext import MARK, from_display, to_display
+
+    examples = {
+        "Prices: $5 and $10.": "Prices: $5 and $10.",
+        "from $20,000 to $30,000": "from $20,000 to $30,000",
+        "between $5-$10": "between $5-$10",
+        "area $\\pi r^2$ here": "area \\(\\pi r^2\\) here",
+        "$$E = mc^2$$": "$$E = mc^2$$",
+        "`echo $HOME` and `$x$`": "`echo $HOME` and `$x$`",
+        "```sh\nA=$1; B=$2$\n```": "```sh\nA=$1; B=$2$\n```",
+        "model's own \\(x\\)": "model's own \\(" + MARK + "x\\)",
+        "escaped \\$5 and $x$": "escaped \\$5 and \\(x\\)",
+    }
+    for text, shown in examples.items():
+        assert to_display(text) == shown, text
+        assert from_display(shown) == text
+    atoms = ["$", "$$", "\\", "\\(", "\\)", "(", ")", " ", "\n", "`", "```", "~~~", "a", "1", "\\relax", MARK, "{", "}"]
+    rng = random.Random(0)
+    for _ in range(20000):
+        text = "".join(rng.choice(atoms) for _ in range(rng.randint(0, 24)))
+        assert from_display(to_display(text)) == text, repr(text)
+
+
+def scripted(engine, text, stream=None):
+    """``engine.stream`` (or ``stream``) writing ``text`` token by token, then ending the turn."""
+    processor = engine.processor
+    it = iter(processor.encode(text, add_special_tokens=False))
+    end = processor.tokenizer.convert_tokens_to_ids("<turn|>")
+    return functools.partial(stream or engine.stream, sampler=lambda logprobs: mx.array([next(it, end)]))
+
+
+@contextlib.contextmanager
+def recording(engine, reply_text=None):
+    """Records the conversations the engine is asked to answer (and scripts its reply)."""
+    original = engine.stream
+    seen = []
+    seen_options = recording.options = []
+
+    def stream(messages, **options):
+        seen.append(json.loads(json.dumps(messages)))
+        seen_options.append(options)
+        fn = scripted(engine, reply_text, original) if reply_text is not None else original
+        return fn(messages, **options)
+
+    engine.stream = stream
+    try:
+        yield seen
+    finally:
+        engine.stream = original
+
+
+def test_replies_go_back_to_the_model_exactly(demo_app, client):
+    """The page shows $...$ math as \\(...\\) and keeps "$5 and $10" as text, but the next turn
+    sends the model the reply exactly as it was generated (its KV cache is matched on it)."""
+    holder, _ = demo_app
+    reply = "It costs $5 and $10; the area is $\\pi r^2$ and \\(x\\)."
+    with recording(holder.engine, reply):
+        history = chat(client, "prices?", max_tokens=100)
+    shown = text(history[1])
+    assert "$5 and $10" in shown and "\\(\\pi r^2\\)" in shown and "$\\pi" not in shown
+    with recording(holder.engine) as seen:
+        chat(client, "and then?", history)
+    assert seen[0][1] == {"role": "assistant", "content": reply}
+
+
+# ---------------------------------------------------------------------------- tools
+WEATHER = {"name": "get_weather", "description": "Current weather", "parameters": {"type": "object", "properties": {"city": {"type": "string"}}}}
+
+
+def test_tool_definitions_in_either_form():
+    from app.backend import ToolsError, parse_tools
+
+    wrapped = {"type": "function", "function": WEATHER}
+    expected = [wrapped]
+    for form in (WEATHER, [WEATHER], wrapped, [wrapped], {"function_declarations": [WEATHER]}):
+        assert parse_tools(json.dumps(form)) == expected, form
+    assert parse_tools(json.dumps([WEATHER, {"name": "now"}]))[1]["function"]["parameters"] == {"type": "object", "properties": {}}
+    assert parse_tools("  ") is None
+    for bad, words in (("[not json", "not valid JSON"), ('"get_weather"', "function declaration"), ('[{"description": "x"}]', 'Tool 1 has no "name"'),
+                       ('{"name": "f", "parameters": 3}', '"parameters" of tool')):  # fmt: skip
+        with pytest.raises(ToolsError, match=words):
+            parse_tools(bad)
+
+
+def test_tools_and_their_problems_in_the_chat(demo_app, client):
+    """A bare function declaration works; unusable tools give a readable note, not an error page,
+    and the conversation goes on without the failed turn."""
+    holder, _ = demo_app
+    with recording(holder.engine, "Sure.") as seen:
+        history = chat(client, "hi", tools=json.dumps(WEATHER))
+    assert recording.options[0]["tools"] == [{"type": "function", "function": WEATHER}]
+    assert title(history[-1]).startswith(STATS_TITLE)
+    bad = client.predict({"text": "weather?", "files": []}, resend(history), "", 0.0, 0.95, 64, 8, False, 280, '[{"description": "no name"}]', api_name="/chat")[0]
+    assert is_error(bad[-1]) and 'Tool 1 has no "name"' in error_text(bad[-1])
+    with recording(holder.engine, "Fine.") as seen:
+        chat(client, "then without tools", bad)
+    assert [m["content"] for m in seen[0] if m["role"] == "user"] == ["hi", "then without tools"]
+    # A tool-call block that is not valid JSON (an edited or older history) is sent as its text.
+    broken = history + [{"role": "assistant", "content": [{"type": "text", "text": "{not json"}], "metadata": {"title": "Tool call: f"}}]
+    with recording(holder.engine, "Ok.") as seen:
+        after = chat(client, "go on", broken)
+    assert title(after[-1]).startswith(STATS_TITLE)
+    assert seen[0][2]["tool_calls"] == [{"type": "function", "function": {"name": "f", "arguments": "{not json"}}]
+
+
+def test_tool_call_and_result_round_trip(demo_app, client, media):
+    """After a tool call the next message is the tool's result: shown as such, and sent to the model
+    as the call's tool_responses, which the template renders as Gemma 4's <|tool_response>."""
+    holder, _ = demo_app
+    call = 'Checking.<|tool_call>call:get_weather{city:<|"|>Oslo<|"|>}<tool_call|>'
+    with recording(holder.engine, call):
+        history = chat(client, "weather in Oslo?", tools=json.dumps(WEATHER), max_tokens=100)
+    assert "your next message is sent as the tool's result" in title(history[-1])
+    with recording(holder.engine, "It is 12 degrees.") as seen:
+        history = chat(client, '{"temp_c": 12}', history, tools=json.dumps(WEATHER), max_tokens=100)
+    result = history[len(history) - 3]
+    assert result["role"] == "user" and title(result) == "Tool result: get_weather" and text(result) == '{"temp_c": 12}'
+    messages = seen[0]
+    assert messages[-2] == {"role": "assistant", "content": "Checking."}
+    assert messages[-1]["tool_responses"] == [{"name": "get_weather", "response": {"temp_c": 12}}]
+    assert messages[-1]["content"] == "" and messages[-1]["tool_calls"][0]["function"]["arguments"] == {"city": "Oslo"}
+    prompt = holder.engine.processor.apply_chat_template(messages, tools=[{"type": "function", "function": WEATHER}])
+    tail = prompt[prompt.index("<|tool_call>") :]
+    assert "<|tool_response>response:get_weather{temp_c:12}<tool_response|>" in tail
+    assert "<|turn>" not in tail  # the reply goes on in the model's own turn
+    assert text(history[-2]) == "It is 12 degrees."
+    # The answer that followed the result belongs to that turn; a plain message comes after it.
+    with recording(holder.engine, "Bye.") as seen:
+        chat(client, "thanks", history, tools=json.dumps(WEATHER))
+    assert seen[0][-2]["content"] == "It is 12 degrees." and seen[0][-1] == {"role": "user", "content": "thanks"}
+    # Files cannot be a tool's result: a clear message, and nothing is added to the conversation.
+    with recording(holder.engine, call):
+        waiting = chat(client, "weather in Oslo?", tools=json.dumps(WEATHER), max_tokens=100)
+    with pytest.raises(Exception, match="send the result as text"):
+        chat(client, "here", waiting, files=[media / "picture.png"])
+
+
+def test_error_notes_are_styled_and_name_the_users_file(client, media):
+    history = chat(client, "look", files=[media / "broken.png"])
+    upload = history[0]["content"][0]["file"]
+    upload = upload if isinstance(upload, str) else upload["path"]
+    note_message = history[-1]
+    assert is_error(note_message) and not title(note_message)  # a note, not a reply or a collapsed block
+    heading, body = note_text(note_message)
+    assert heading == "Could not reply" and "broken.png" in body
+    assert upload not in body and "/gradio/" not in body
+    assert 'class="app-note app-note-error"' in text(note_message) and 'role="alert"' in text(note_message)
+    assert "> **Could not reply:**" in to_markdown(history, "m")
+
+
+# ---------------------------------------------------------------------------- python -m app as a user runs it
+def run_app(tmp_path, *args, env=None):
+    """``python -m app ARGS`` with its own home (cache) folder; stdout and stderr in one file."""
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    repo = Path(__file__).resolve().parent.parent
+    env = {**os.environ, "HOME": str(tmp_path / "home"), "PYTHONPATH": str(repo), "GRADIO_ANALYTICS_ENABLED": "False", **(env or {})}
+    log = open(tmp_path / "app.log", "w+")
+    proc = subprocess.Popen([sys.executable, "-m", "app", "--no-browser", *args], cwd=repo, env=env, stdout=log, stderr=subprocess.STDOUT)
+    return proc, tmp_path / "app.log"
+
+
+def wait_for(condition, timeout=120.0, proc=None):
+    end = time.time() + timeout
+    while not condition():
+        assert proc is None or proc.poll() is None, "the app exited"
+        assert time.time() < end, "timed out"
+        time.sleep(0.2)
+
+
+def test_busy_port_is_reported_plainly(tmp_path):
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        proc, log = run_app(tmp_path, "--demo", "--port", str(port))
+        assert proc.wait(120) == 2
+    output = log.read_text()
+    assert f"port {port} is in use" in output and f"--port {port + 1}" in output
+    assert "Traceback" not in output
+
+
+def test_first_run_without_the_hub_says_what_to_do(tmp_path):
+    """No Hub (offline, nothing cached): the terminal and the page say what failed and what to do."""
+    port = free_port()
+    env = {"HF_HUB_OFFLINE": "1", "HF_HOME": str(tmp_path / "hf")}
+    proc, log = run_app(tmp_path, "--port", str(port), env=env)
+    try:
+        wait_for(lambda: "python -m app --demo" in log.read_text() and "Running on local URL" in log.read_text(), proc=proc)
+        output = log.read_text()
+        assert "Could not load google/gemma-4-E2B-it" in output and "10.2 GB" in output and "--model /path/to/folder" in output
+        assert "Traceback" not in output
+        history = chat(Client(f"http://127.0.0.1:{port}/", verbose=False), "hello")
+        heading, body = note_text(history[-1])
+        assert heading == "The model is not loaded" and "python -m app --demo" in body and "10.2 GB" in body
+    finally:
+        proc.send_signal(2)
+        proc.wait(60)
+
+
+def test_ctrl_c_during_a_reply_exits_cleanly(tmp_path):
+    """SIGINT while a reply streams: the app stops the reply and the model thread and exits with 0
+    (not abort's 134 from a thread killed inside MLX)."""
+    port = free_port()
+    proc, log = run_app(tmp_path, "--demo", "--port", str(port))
+    try:
+        wait_for(lambda: "Running on local URL" in log.read_text(), proc=proc)
+        client = Client(f"http://127.0.0.1:{port}/", verbose=False)
+        job = client.submit({"text": "go on", "files": []}, [], "", 0.0, 0.95, 64, 4000, False, 280, "", api_name="/chat")
+        wait_for(lambda: len(job.outputs()) > 5, proc=proc)  # greedy demo replies run to max tokens
+        proc.send_signal(2)
+        rc = proc.wait(60)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    output = log.read_text()
+    assert rc == 0, output[-3000:]
+    assert "terminate called" not in output and "Traceback" not in output

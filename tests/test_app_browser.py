@@ -1,12 +1,16 @@
 """The chat page in a real headless Chromium (Debian's, driven by Playwright): a typed message gets a
-reply that streams into the page, survives reloads, can be retried and edited, and stays cleared (even mid-reply). Saves a screenshot (``GEMMA4_SCREENSHOT=path`` keeps it)."""
+reply that streams into the page, survives reloads, can be retried and edited, and stays cleared
+(even mid-reply); conversations survive a server restart with their own settings; Export downloads
+the current conversation in one click; the page works at a phone's size, with the send button
+turning into Stop. Saves a screenshot (``GEMMA4_SCREENSHOT=path`` keeps it)."""
 
+import json
 import os
 import shutil
 import time
 
 import pytest
-from test_app import endless_replies, launch
+from test_app import WEATHER, cache_dir, endless_replies, free_port, launch, scripted  # noqa: F401 (cache_dir: autouse fixture)
 
 from app.backend import ModelHolder
 
@@ -92,3 +96,176 @@ def _wait_until(condition, timeout: float = 60.0) -> None:
     while not condition():
         assert time.time() < end, "the page did not get there in time"
         time.sleep(0.1)
+
+
+def _browser(p):
+    return p.chromium.launch(executable_path=CHROMIUM, args=FLAGS)
+
+
+def _send(page, text):
+    box = page.locator("#input textarea")
+    box.fill(text)
+    box.press("Enter")
+
+
+def _stats(page):
+    return page.locator("#chatbot").get_by_text("tok/s").all_inner_texts()
+
+
+def _open_sidebar(page):
+    slid_in = lambda: (page.locator("#new-chat").bounding_box() or {"x": -1})["x"] >= 0  # noqa: E731
+    if not slid_in():
+        page.locator("button.toggle-button").first.click()
+        _wait_until(slid_in)
+    if not page.locator("#system textarea").is_visible():
+        page.locator("#settings").get_by_text("Settings of this conversation").click()
+        page.locator("#system textarea").wait_for(state="visible")
+
+
+def _conversations(page):
+    return page.locator("#conversations label").all_inner_texts()
+
+
+def test_conversations_settings_export_and_restart(tmp_path):
+    """Two conversations with their own settings, a rename, Export (one click, the current
+    conversation), math and dollar amounts, a tool call's prompt, an error note; then the server
+    restarts and the browser finds everything again, and a conversation is deleted."""
+    from playwright.sync_api import sync_playwright
+
+    port = free_port()
+    holder = ModelHolder(None, None, demo=True).start()
+    app, url = launch(holder, port)
+    try:
+        assert holder.ready.wait(120)
+        with sync_playwright() as p:
+            browser = _browser(p)
+            page = browser.new_context(viewport={"width": 1100, "height": 900}, accept_downloads=True).new_page()
+            page.goto(url)
+            page.wait_for_selector("#status:has-text('Ready')", timeout=60_000)
+            chat = page.locator("#chatbot")
+            # Dollar amounts stay text; $...$ math by the usual rule renders (KaTeX).
+            original = holder.engine.stream
+            holder.engine.stream = scripted(holder.engine, "It costs $5 and $10, and the area is $x^2$.")
+            try:
+                _send(page, "First conversation")
+                _wait_until(lambda: len(_stats(page)) == 1)
+            finally:
+                holder.engine.stream = original
+            reply = chat.locator(".message.bot").first
+            assert "It costs $5 and $10, and the area is" in reply.inner_text()
+            assert reply.locator(".katex").count() == 1
+            # This conversation's settings: shown above the chat, kept with it.
+            _open_sidebar(page)
+            page.locator("#system textarea").fill("You are a pirate.")
+            page.locator("#thinking input").check()
+            page.locator("#system textarea").click()  # back in the box, then out: saved on blur
+            page.locator("#conversation-name input").click()
+            _wait_until(lambda: "You are a pirate." in page.locator("#conversation-settings").inner_text())
+            assert "Thinking: on" in page.locator("#conversation-settings").inner_text()
+            # A second conversation, with other settings.
+            page.locator("#new-chat").click()
+            _wait_until(lambda: chat.get_by_text("First conversation").count() == 0)
+            page.locator("#system textarea").fill("Be brief.")
+            page.locator("#thinking input").uncheck()
+            page.locator("#conversation-name input").click()
+            _wait_until(lambda: "Be brief." in page.locator("#conversation-settings").inner_text())
+            _send(page, "Second conversation")
+            _wait_until(lambda: len(_stats(page)) == 1)
+            _wait_until(lambda: sorted(_conversations(page)) == ["First conversation", "Second conversation"])
+            # Export downloads the conversation on screen, on the first click.
+            with page.expect_download() as download:
+                page.locator("#export").click()
+            exported = open(download.value.path(), encoding="utf-8").read()
+            assert "**You:** Second conversation" in exported and "First conversation" not in exported
+            # Back to the first: its messages and its settings come back.
+            page.locator("#conversations label", has_text="First conversation").click()
+            chat.get_by_text("First conversation").wait_for()
+            assert page.locator("#system textarea").input_value() == "You are a pirate."
+            assert page.locator("#thinking input").is_checked()
+            assert "You are a pirate." in page.locator("#conversation-settings").inner_text()
+            with page.expect_download() as download:
+                page.locator("#export").click()
+            assert "**You:** First conversation" in open(download.value.path(), encoding="utf-8").read()
+            page.locator("#conversation-name input").fill("Pirate talk")
+            page.locator("#conversation-name input").press("Enter")
+            _wait_until(lambda: "Pirate talk" in _conversations(page))
+            # A tool call: the input box says that the next message is the tool's result.
+            holder.engine.stream = scripted(holder.engine, '<|tool_call>call:get_weather{city:<|"|>Oslo<|"|>}<tool_call|>')
+            try:
+                page.locator("#tools textarea, #tools .cm-content").first.click()
+                page.keyboard.insert_text(json.dumps(WEATHER))
+                page.locator("#conversation-name input").click()
+                _send(page, "Weather in Oslo?")
+                _wait_until(lambda: "result of get_weather" in (page.locator("#input textarea").get_attribute("placeholder") or ""))
+            finally:
+                holder.engine.stream = original
+            # An error is a note of its own (a heading and the whole message), not a reply.
+            page.locator("#tools .cm-content").first.click()
+            page.keyboard.press("Control+a")
+            page.keyboard.insert_text("[not json")
+            page.locator("#conversation-name input").click()
+            _send(page, "12 degrees")
+            note = chat.locator(".app-note-error")
+            note.wait_for(timeout=60_000)
+            assert note.get_attribute("role") == "alert"
+            assert "The tools setting cannot be used" in note.inner_text() and "not valid JSON" in note.inner_text()
+
+            # The server restarts (same port: local storage belongs to the page's address).
+            app.close()
+            holder2 = ModelHolder(None, None, demo=True).start()
+            app, url = launch(holder2, port)
+            assert holder2.ready.wait(120)
+            page.reload()
+            page.wait_for_selector("#status:has-text('Ready')", timeout=60_000)
+            chat.get_by_text("First conversation").wait_for(timeout=30_000)
+            _open_sidebar(page)
+            _wait_until(lambda: sorted(_conversations(page)) == ["Pirate talk", "Second conversation"])
+            assert page.locator("#system textarea").input_value() == "You are a pirate."
+            page.locator("#conversations label", has_text="Second conversation").click()
+            chat.get_by_text("Second conversation").wait_for()
+            assert page.locator("#system textarea").input_value() == "Be brief."
+            # Delete asks first, then removes the conversation on screen.
+            page.locator("#delete").click()
+            page.locator("#confirm-delete").click()
+            _wait_until(lambda: _conversations(page) == ["Pirate talk"])
+            chat.get_by_text("First conversation").wait_for()
+            browser.close()
+    finally:
+        app.close()
+
+
+def test_phone_layout_and_send_button_becomes_stop(tmp_path):
+    """At 390x844 the input and its send button are on screen with a long conversation; while a
+    reply streams the send button is Stop, and pressing it ends the reply."""
+    from playwright.sync_api import sync_playwright
+
+    holder = ModelHolder(None, None, demo=True).start()
+    app, url = launch(holder)
+    try:
+        assert holder.ready.wait(120)
+        with sync_playwright() as p:
+            browser = _browser(p)
+            page = browser.new_context(viewport={"width": 390, "height": 844}, is_mobile=True, has_touch=True).new_page()
+            page.goto(url)
+            page.wait_for_selector("#status:has-text('Ready')", timeout=60_000)
+            send, stop = page.locator("#input .submit-button"), page.locator("#input .stop-button")
+            assert send.is_visible() and not stop.is_visible()
+            chat = page.locator("#chatbot")
+            with endless_replies(holder.engine):
+                _send(page, "Tell me a long story.")
+                stop.wait_for(state="visible", timeout=30_000)
+                assert not send.is_visible()
+                # Long enough to scroll the chat.
+                _wait_until(lambda: chat.locator(".bubble-wrap, .message-wrap").first.evaluate("e => e.scrollHeight") > 900)
+                stop.click()
+                send.wait_for(state="visible", timeout=30_000)
+            _wait_until(lambda: any("stopped" in s for s in _stats(page)))
+            for element in (page.locator("#input textarea"), send):
+                box = element.bounding_box()
+                assert box is not None and 0 <= box["y"] and box["y"] + box["height"] <= 844, box
+            assert page.evaluate("document.scrollingElement.scrollTop") == 0  # nothing scrolled to get there
+            shot = tmp_path / "phone.png"
+            page.screenshot(path=str(shot))
+            browser.close()
+    finally:
+        app.close()
