@@ -192,7 +192,7 @@ def _layout(holder: ModelHolder) -> Page:
             system = gr.Textbox(defaults["system"], label="System prompt", lines=3, placeholder="You are a helpful assistant.", elem_id="system")
             thinking = gr.Checkbox(label="Thinking (show the model's reasoning)", value=defaults["thinking"], elem_id="thinking")
             temperature = gr.Slider(0.0, 2.0, value=defaults["temperature"], step=0.05, label="Temperature (0 = greedy)")
-            top_p = gr.Slider(0.0, 1.0, value=defaults["top_p"], step=0.01, label="Top-p")
+            top_p = gr.Slider(0.01, 1.0, value=defaults["top_p"], step=0.01, label="Top-p (1 = off)")
             top_k = gr.Slider(0, 200, value=defaults["top_k"], step=1, label="Top-k (0 = off)")
             max_tokens = gr.Slider(1, 8192, value=defaults["max_tokens"], step=1, label="Max new tokens")
             image_tokens = gr.Dropdown(IMAGE_BUDGETS, value=defaults["image_tokens"], label="Image token budget (more = finer detail, slower)")
