@@ -35,19 +35,22 @@ def test_reply_streams_into_the_page(tmp_path):
             page.goto(url)
             page.wait_for_selector("#status:has-text('Ready')", timeout=60_000)
             box = page.locator("#input textarea")
-            box.fill("Hello Gemma! Say something.")
-            box.press("Enter")
-            bot = page.locator("#chatbot .message.bot, #chatbot [data-testid='bot']").first
-            bot.wait_for(timeout=60_000)
-            lengths = []
-            for _ in range(40):  # the reply grows while it streams
-                lengths.append(len(page.locator("#chatbot").inner_text()))
-                if page.locator("#chatbot").get_by_text("tok/s").count():
-                    break
-                time.sleep(0.05)
+            # A reply that only Stop ends: the page must show it growing, several times, before it ends.
+            with endless_replies(holder.engine):
+                box.fill("Hello Gemma! Say something.")
+                box.press("Enter")
+                bot = page.locator("#chatbot .message.bot, #chatbot [data-testid='bot']").first
+                bot.wait_for(timeout=60_000)
+                lengths = [len(page.locator("#chatbot").inner_text())]
+                end = time.time() + 60
+                while len(set(lengths)) < 4 and time.time() < end:
+                    time.sleep(0.05)
+                    lengths.append(len(page.locator("#chatbot").inner_text()))
+                assert page.locator("#chatbot").get_by_text("tok/s").count() == 0  # still streaming
+                page.locator("#input .stop-button").click()
             page.locator("#chatbot").get_by_text("tok/s").first.wait_for(timeout=60_000)
             assert "Hello Gemma! Say something." in page.locator("#chatbot").inner_text()
-            assert len(set(lengths)) > 1 or lengths[-1] > 0
+            assert len(set(lengths)) >= 4 and lengths == sorted(lengths)  # it grew, step by step
             shot = tmp_path / "app.png"
             page.screenshot(path=str(shot))
             # The conversation survives a page reload (kept in the browser's local storage).
