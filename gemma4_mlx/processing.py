@@ -16,10 +16,10 @@ from pathlib import Path
 from typing import Any, Iterable
 
 import mlx.core as mx
-
-from .config import ModelConfig, read_json_object
+import numpy as np
 from transformers.utils.chat_template_utils import _CONTROL_TOKEN_START, encode_marked_chat, mark_control_tokens
 
+from .config import ModelConfig, read_json_object
 from .errors import ConfigError, MediaError, TokenIdError
 from .sources import resolve_source
 

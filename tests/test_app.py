@@ -562,7 +562,8 @@ def run_app(tmp_path, *args, env=None):
     from pathlib import Path
 
     repo = Path(__file__).resolve().parent.parent
-    env = {**os.environ, "HOME": str(tmp_path / "home"), "PYTHONPATH": str(repo), "GRADIO_ANALYTICS_ENABLED": "False", **(env or {})}
+    path = os.pathsep.join(p for p in (str(repo), os.environ.get("PYTHONPATH")) if p)  # keeps conftest's start-up guard
+    env = {**os.environ, "HOME": str(tmp_path / "home"), "PYTHONPATH": path, "GRADIO_ANALYTICS_ENABLED": "False", **(env or {})}
     log = open(tmp_path / "app.log", "w+")
     proc = subprocess.Popen([sys.executable, "-m", "app", "--no-browser", *args], cwd=repo, env=env, stdout=log, stderr=subprocess.STDOUT)
     return proc, tmp_path / "app.log"
