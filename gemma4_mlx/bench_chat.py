@@ -50,10 +50,22 @@ def filler(processor: Processor, tokens: int) -> str:
     return " ".join(text)
 
 
+def text_sampler(processor: Processor, vocab_size: int):
+    """Sampling over the tokenizer's ordinary tokens only: random weights over the model's 262144 ids
+    would mostly pick ids the tiny tokenizer cannot show (and greedy, whitespace), while a reply needs
+    text to come back in the next turn (the engine then reuses the ids it generated)."""
+    hf = processor.tokenizer._tokenizer
+    special = [i for i, t in hf.added_tokens_decoder.items() if t.special]
+    allowed = mx.zeros((vocab_size,)).at[mx.array(special)].add(-mx.inf).at[len(processor.tokenizer) :].add(-mx.inf)
+    mx.eval(allowed)
+    return lambda logprobs: mx.random.categorical(logprobs + allowed)
+
+
 def second_turn(engine: ChatEngine, processor: Processor, history_tokens: int, new_tokens: int, reply_tokens: int):
     """Stats of the second turn with reuse, then of the same turn from a fresh cache."""
     first = [{"role": "user", "content": filler(processor, history_tokens)}]
-    reply = list(engine.stream(first, max_tokens=reply_tokens))[-1].reply
+    sampler = text_sampler(processor, engine.model.text_config.vocab_size)
+    reply = list(engine.stream(first, max_tokens=reply_tokens, sampler=sampler, seed=0))[-1].reply
     second = first + [reply.as_message(), {"role": "user", "content": filler(processor, new_tokens)}]
     with_reuse = list(engine.stream(second, max_tokens=2))[-1].stats
     fresh = list(engine.stream(second, max_tokens=2, reuse=False))[-1].stats
