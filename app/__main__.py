@@ -36,6 +36,16 @@ def port_problem(host: str, port: int) -> str | None:
     return None
 
 
+def _port(text: str) -> int:
+    try:
+        port = int(text)
+    except ValueError:
+        port = -1
+    if not 0 < port < 65536:
+        raise argparse.ArgumentTypeError(f"a port is a number from 1 to 65535, not {text!r}")
+    return port
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m app", description="A local multimodal chat with Gemma 4 on MLX.")
     p.add_argument("--model", default=None, help=f"converted folder, HF folder or Hub repo id (default: {DEFAULT_MODEL}; "
@@ -47,7 +57,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--dtype", choices=["bfloat16", "float16", "float32"], default=None)
     p.add_argument("--demo", action="store_true", help="use a tiny random model built locally (replies are gibberish)")
     p.add_argument("--host", default="127.0.0.1", help="address to listen on (default: localhost only)")
-    p.add_argument("--port", type=int, default=7860)
+    p.add_argument("--port", type=_port, default=7860, help="port to listen on, 1-65535 (default: 7860)")
     p.add_argument("--share", action="store_true", help="also publish a temporary public gradio.live link")
     p.add_argument("--no-browser", action="store_true", help="do not open the browser")
     args = p.parse_args(argv)

@@ -577,16 +577,20 @@ def wait_for(condition, timeout=120.0, proc=None):
         time.sleep(0.2)
 
 
-def test_busy_port_is_reported_plainly(tmp_path):
+def test_busy_or_impossible_port_is_reported_plainly(capsys):
+    from app.__main__ import main
+
     with socket.socket() as taken:
         taken.bind(("127.0.0.1", 0))
         taken.listen()
         port = taken.getsockname()[1]
-        proc, log = run_app(tmp_path, "--demo", "--port", str(port))
-        assert proc.wait(120) == 2
-    output = log.read_text()
-    assert f"port {port} is in use" in output and f"--port {port + 1}" in output
-    assert "Traceback" not in output
+        assert main(["--demo", "--no-browser", "--port", str(port)]) == 2  # before anything starts
+    err = capsys.readouterr().err
+    assert f"port {port} is in use" in err and f"--port {port + 1}" in err
+    for bad in ("99999", "0", "-1", "http"):
+        with pytest.raises(SystemExit) as exit_:
+            main(["--demo", "--port", bad])
+        assert exit_.value.code == 2 and "a port is a number from 1 to 65535" in capsys.readouterr().err
 
 
 def test_first_run_without_the_hub_says_what_to_do(tmp_path):
