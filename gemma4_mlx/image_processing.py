@@ -21,6 +21,13 @@ SUPPORTED_SOFT_TOKENS = (70, 140, 280, 560, 1120)
 _DECODE_ERRORS = (OSError, ValueError, SyntaxError, EOFError, Image.DecompressionBombError)
 
 
+def check_budget(max_soft_tokens: int) -> int:
+    """An image token budget (per image or video frame), refused unless it is one of the published ones."""
+    if max_soft_tokens not in SUPPORTED_SOFT_TOKENS:
+        raise ValueError(f"max_soft_tokens must be one of {SUPPORTED_SOFT_TOKENS}, got {max_soft_tokens!r}")
+    return int(max_soft_tokens)
+
+
 def _pil_to_rgb(image: Image.Image) -> np.ndarray:
     """Upright RGB uint8 [H, W, 3]; transparency composited onto white as transformers'
     ``convert_to_rgb`` does for PIL images."""
@@ -131,7 +138,7 @@ class ImageProcessor:
         image_mean: tuple[float, ...] = (0.0, 0.0, 0.0),
         image_std: tuple[float, ...] = (1.0, 1.0, 1.0),
     ):
-        self.max_soft_tokens = self._check_budget(max_soft_tokens)
+        self.max_soft_tokens = check_budget(max_soft_tokens)
         self.patch_size = patch_size
         self.pooling_kernel_size = pooling_kernel_size
         self.do_resize = do_resize
@@ -166,17 +173,11 @@ class ImageProcessor:
                  "rescale_factor", "do_normalize", "image_mean", "image_std")  # fmt: skip
         return cls(**{k: settings[k] for k in known if settings.get(k) is not None})
 
-    @staticmethod
-    def _check_budget(max_soft_tokens: int) -> int:
-        if max_soft_tokens not in SUPPORTED_SOFT_TOKENS:
-            raise ValueError(f"max_soft_tokens must be one of {SUPPORTED_SOFT_TOKENS}, got {max_soft_tokens!r}")
-        return int(max_soft_tokens)
-
     def target_size(self, height: int, width: int, max_soft_tokens: int | None = None) -> tuple[int, int]:
         """The (height, width) an image of this size is resized to."""
         if not self.do_resize:
             return height, width
-        budget = self._check_budget(max_soft_tokens or self.max_soft_tokens)
+        budget = check_budget(max_soft_tokens or self.max_soft_tokens)
         k = self.pooling_kernel_size
         return aspect_ratio_preserving_size(height, width, self.patch_size, budget * k * k, k)
 
@@ -187,7 +188,7 @@ class ImageProcessor:
 
     def __call__(self, images, max_soft_tokens: int | None = None) -> dict[str, Any]:
         """One image or a list (paths, PIL images, arrays; see :func:`load_image`)."""
-        budget = self._check_budget(self.max_soft_tokens if max_soft_tokens is None else max_soft_tokens)
+        budget = check_budget(self.max_soft_tokens if max_soft_tokens is None else max_soft_tokens)
         if isinstance(images, (str, Path, Image.Image)) or (isinstance(images, np.ndarray) and images.ndim <= 3):
             images = [images]
         images = list(images)

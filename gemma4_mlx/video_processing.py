@@ -18,7 +18,7 @@ import numpy as np
 
 from .config import read_json_object
 from .errors import MediaError
-from .image_processing import SUPPORTED_SOFT_TOKENS, aspect_ratio_preserving_size
+from .image_processing import aspect_ratio_preserving_size, check_budget
 from .resize import resize_bicubic_antialias
 
 NUM_FRAMES = 32
@@ -122,7 +122,7 @@ class VideoProcessor:
         if int(resample) != 3:
             raise ValueError(f"video frames are resized with bicubic resampling (3) only, got resample={resample!r}")
         self.num_frames = int(num_frames)
-        self.max_soft_tokens = self._check_budget(max_soft_tokens)
+        self.max_soft_tokens = check_budget(max_soft_tokens)
         self.patch_size = patch_size
         self.pooling_kernel_size = pooling_kernel_size
         self.do_resize = do_resize
@@ -146,12 +146,6 @@ class VideoProcessor:
                  "do_rescale", "rescale_factor", "do_normalize", "image_mean", "image_std")  # fmt: skip
         return cls(**{k: settings[k] for k in known if settings.get(k) is not None})
 
-    @staticmethod
-    def _check_budget(max_soft_tokens: int) -> int:
-        if max_soft_tokens not in SUPPORTED_SOFT_TOKENS:
-            raise ValueError(f"max_soft_tokens must be one of {SUPPORTED_SOFT_TOKENS}, got {max_soft_tokens!r}")
-        return int(max_soft_tokens)
-
     def __call__(self, videos, max_soft_tokens: int | None = None) -> dict[str, Any]:
         """One video or a list (paths, :class:`Video`, frame arrays [T, H, W, C]; see :func:`load_video`).
         ``num_soft_tokens`` (per frame) and ``timestamps`` (``mm:ss`` per frame) have one entry per video."""
@@ -160,7 +154,7 @@ class VideoProcessor:
         videos = list(videos)
         if not videos:
             raise MediaError("no videos given")
-        budget = self._check_budget(self.max_soft_tokens if max_soft_tokens is None else max_soft_tokens)
+        budget = check_budget(self.max_soft_tokens if max_soft_tokens is None else max_soft_tokens)
         keys = ("pixel_values_videos", "video_position_ids", "num_soft_tokens", "timestamps")
         out: dict[str, list] = {k: [] for k in keys}
         for source in videos:
