@@ -20,7 +20,8 @@ import traceback
 from pathlib import Path
 from typing import Any
 
-from gemma4_mlx.chat import ChatEngine
+from gemma4_mlx.generation.chat import ChatEngine
+from gemma4_mlx.modalities import MODALITIES, supported
 
 DEFAULT_MODEL = "google/gemma-4-E2B-it"
 CACHE_DIR = Path("~/.cache/gemma4-mlx").expanduser()
@@ -85,7 +86,7 @@ class ModelHolder:
             import gemma4_mlx
 
             if self.demo:
-                from gemma4_mlx.tiny import build_demo_checkpoint
+                from gemma4_mlx.testing import build_demo_checkpoint
 
                 self.status = "Building the tiny demo model…"
                 # Kept for the life of the process (the PLE table stays memory-mapped from it),
@@ -165,7 +166,7 @@ class ModelHolder:
         if self.engine is None:
             return {"image": False, "audio": False, "video": False}
         m = self.engine.model
-        return {"image": m.has_vision, "audio": m.has_audio, "video": m.has_vision}
+        return supported(m)
 
 
 def conversion_cache_path(source: str, bits: int) -> Path:
@@ -450,8 +451,7 @@ def unsupported_media(messages: list[dict], capabilities: dict[str, bool]) -> st
             if kind == "unknown":
                 return f"{name} is not an image, audio or video file."
             if kind in capabilities and not capabilities[kind]:
-                tower = "audio" if kind == "audio" else "vision"
-                return f"This model has no {tower} encoder, so it cannot take {kind} input ({name})."
+                return f"This model has no {MODALITIES[kind].tower} encoder, so it cannot take {kind} input ({name})."
     return None
 
 

@@ -20,8 +20,8 @@ from pathlib import Path
 
 import gradio as gr
 
-from gemma4_mlx.generate import ContextLengthError
-from gemma4_mlx.multimodal import MediaError
+from gemma4_mlx.errors import ContextLengthError
+from gemma4_mlx.errors import MediaError
 
 from . import store as convs
 from .backend import (

@@ -15,20 +15,18 @@ import re
 import shutil
 import tempfile
 import warnings
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable
 
 import mlx.core as mx
 import mlx.nn as nn
+import mlx.nn as nn
 from mlx.utils import tree_flatten
 
 from gemma4_mlx.loading import load_config, load_model, resolve_model_path
+from gemma4_mlx.loading.quantization import MODES, RECIPES, QuantizationPlan, quantize_model
 
 DTYPES = ("bfloat16", "float16", "float32")
-MODES = {"affine": (2, 3, 4, 5, 6, 8), "mxfp4": (4,), "mxfp8": (8,)}
-RECIPES = ("mixed_2_6", "mixed_3_4", "mixed_3_6", "mixed_4_6", "mixed_4_8")
-TOWERS = ("vision_tower", "audio_tower", "embed_vision", "embed_audio")
 # Everything a checkpoint folder needs besides its weights and config.json.
 SIDE_FILES = (
     "tokenizer.json", "tokenizer.model", "tokenizer_config.json", "special_tokens_map.json", "added_tokens.json",
@@ -121,22 +119,6 @@ def _temporary_sibling(out: Path, kind: str) -> Path:
     return Path(tempfile.mkdtemp(prefix=f".{out.name}.{kind}-{os.getpid()}-", dir=out.parent))
 
 
-@dataclass
-class QuantizationPlan:
-    """How each module is quantized: defaults plus per-module overrides (mlx-lm's config format)."""
-
-    bits: int
-    group_size: int
-    mode: str
-    recipe: str | None = None
-    towers: bool = False
-    overrides: dict[str, dict] = field(default_factory=dict)
-    notes: list[str] = field(default_factory=list)
-
-    def config(self) -> dict:
-        return {"group_size": self.group_size, "bits": self.bits, "mode": self.mode, **self.overrides}
-
-
 def _check_options(dtype: str, bits: int, group_size: int, mode: str, recipe: str | None) -> None:
     if dtype not in DTYPES:
         raise ValueError(f"--dtype must be one of {', '.join(DTYPES)}, not {dtype!r}")
@@ -150,46 +132,6 @@ def _check_options(dtype: str, bits: int, group_size: int, mode: str, recipe: st
         raise ValueError(f"--q-group-size must be 32, 64 or 128, not {group_size}")
     if recipe is not None and recipe not in RECIPES:
         raise ValueError(f"--quant-recipe must be one of {', '.join(RECIPES)}, not {recipe!r}")
-
-
-def _more_bits(layer: int, n: int) -> bool:
-    """llama.cpp's Q4_K_M choice (as in mlx-lm's mixed recipes): first and last eighth, every third."""
-    return layer < n // 8 or layer >= 7 * n // 8 or (layer - n // 8) % 3 == 2
-
-
-def quantize_model(model: nn.Module, plan: QuantizationPlan) -> QuantizationPlan:
-    """Quantize ``model`` in place following ``plan``; fills ``plan.overrides`` and ``plan.notes``."""
-    n_layers = len(model.layers)
-    low, high = (int(b) for b in plan.recipe.split("_")[1:]) if plan.recipe else (plan.bits, plan.bits)
-    default = {"group_size": plan.group_size, "bits": low, "mode": plan.mode}
-    eight_bit = {"group_size": 64, "bits": 8, "mode": "affine"}
-
-    def predicate(path: str, module: nn.Module):
-        if not hasattr(module, "to_quantized"):
-            return False  # norms, scalars, convolutions, position tables stay in float
-        if path.startswith(TOWERS) and not plan.towers:
-            return False
-        if path.endswith("embed_tokens_per_layer"):
-            # 4-bit PLE tables are known to ruin real E2B/E4B models: never below 8 bits.
-            choice = eight_bit if low < 8 else default
-        elif path.endswith("router.proj"):
-            choice = eight_bit  # routing decisions are sensitive; the router is tiny
-        elif plan.recipe and re.search(r"\.(v_proj|down_proj)$", path) and (m := re.search(r"layers\.(\d+)\.", path)):
-            choice = {**default, "bits": high} if _more_bits(int(m.group(1)), n_layers) else default
-        elif plan.recipe and path.endswith("embed_tokens"):
-            choice = {**default, "bits": high}  # the tied LM head
-        else:
-            choice = default
-        in_dims = module.weight.shape[-1]
-        if in_dims % choice["group_size"]:
-            plan.notes.append(f"{path}: input size {in_dims} is not a multiple of {choice['group_size']}; kept in float")
-            return False
-        if choice != {"group_size": plan.group_size, "bits": plan.bits, "mode": plan.mode}:
-            plan.overrides[path] = choice
-        return choice
-
-    nn.quantize(model, group_size=plan.group_size, bits=plan.bits, mode=plan.mode, class_predicate=predicate)
-    return plan
 
 
 def _shards(weights: dict[str, mx.array], max_bytes: int) -> list[dict[str, mx.array]]:

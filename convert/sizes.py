@@ -17,33 +17,13 @@ import argparse
 
 from mlx.utils import tree_flatten
 
-from gemma4_mlx.bench import VARIANTS, variant_config
 from gemma4_mlx.config import ModelConfig
-from gemma4_mlx.model import Gemma4Model
+from gemma4_mlx.models.gemma4 import Gemma4Model
+from gemma4_mlx.variants import VARIANTS, published_config
 
 from .converter import DTYPES, cast_and_quantize
 
-# Published tower configs (reference/GEMMA4.md; the fields it does not list are transformers 5.23's
-# defaults, which are the published values: patch 16, 10240 positions, 1536 audio output dims).
-SMALL_VIT = dict(hidden_size=768, intermediate_size=3072, num_hidden_layers=16, num_attention_heads=12,
-                 num_key_value_heads=12, head_dim=64, use_clipped_linears=True)  # fmt: skip
-LARGE_VIT = dict(hidden_size=1152, intermediate_size=4304, num_hidden_layers=27, num_attention_heads=16,
-                 num_key_value_heads=16, head_dim=72, standardize=True)  # fmt: skip
-AUDIO = dict(hidden_size=1024, num_hidden_layers=12, num_attention_heads=8, subsampling_conv_channels=[128, 32],
-             output_proj_dims=1536, use_clipped_linears=True)  # fmt: skip
-
 PARTS = ("text", "ple", "vision", "audio")
-
-
-def published_config(name: str) -> dict:
-    """The whole ``config.json`` of a variant (``e2b``, ``e4b``, ``26b-a4b``, ``31b``), towers included."""
-    small = name in ("e2b", "e4b")
-    return {
-        "model_type": "gemma4",
-        "text_config": variant_config(name),
-        "vision_config": dict(SMALL_VIT if small else LARGE_VIT),
-        "audio_config": dict(AUDIO) if small else None,
-    }
 
 
 def _part(key: str) -> str:

@@ -6,13 +6,13 @@
         print(chunk.text, end="", flush=True)
 """
 
-from .chat import Chat, ChatEngine, ReplyOptions
+from .generation.chat import Chat, ChatEngine, ReplyOptions
 from .config import LayerSpec, ModelConfig, TextConfig
 from .errors import CheckpointError, ConfigError, ContextLengthError, MediaError, OptionError, TokenIdError, UnsupportedModelError
-from .generate import GenerationChunk, generate, stream_generate
+from .generation.stream import GenerationChunk, generate, stream_generate
 from .loading import load, load_model
-from .model import Gemma4Model
-from .processing import Processor
+from .models.gemma4 import Gemma4Model
+from .processing.processor import Processor
 
 __version__ = "0.1.0"
 

@@ -17,7 +17,7 @@ from pathlib import Path
 
 import torch
 
-from gemma4_mlx.tiny import media_token_ids, write_tokenizer
+from gemma4_mlx.testing import media_token_ids, write_tokenizer
 
 VOCAB = 1024  # >= the tiny tokenizer's 721 tokens
 S, F = "sliding_attention", "full_attention"

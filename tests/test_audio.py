@@ -15,9 +15,10 @@ from transformers.models.gemma4.feature_extraction_gemma4 import Gemma4AudioFeat
 from transformers.models.gemma4.modeling_gemma4 import Gemma4AudioModel, Gemma4MultimodalEmbedder
 from transformers.models.gemma4.processing_gemma4 import Gemma4Processor
 
-from gemma4_mlx.audio import AudioConfig, AudioTower, encode_audio
-from gemma4_mlx.audio_processing import AudioFeatureExtractor, load_audio
-from gemma4_mlx.multimodal import MediaError, MultimodalEmbedder
+from gemma4_mlx.models.audio import AudioConfig, AudioTower, encode_audio
+from gemma4_mlx.processing.audio import AudioFeatureExtractor, load_audio
+from gemma4_mlx.errors import MediaError
+from gemma4_mlx.models.multimodal import MultimodalEmbedder
 
 SR = 16_000
 GOLDEN = {38560: 60, 48000: 75, 48800: 76, 99360: 155, 640000: 750}
@@ -247,7 +248,7 @@ def test_tower_matches_hf(extractors):
     cfg = AudioConfig.from_dict({**hf_cfg.to_dict(), "some_new_key": 7})
     assert cfg.extra["some_new_key"] == 7 and cfg.subsampling_conv_channels == [128, 4] and cfg.rms_norm_eps == 1e-5
     tower = AudioTower(cfg)
-    weights = tower.sanitize({f"model.audio_tower.{k}": mx.array(v.numpy()) for k, v in hf.state_dict().items()})
+    weights = tower.sanitize({k: mx.array(v.numpy()) for k, v in hf.state_dict().items()})
     assert "rel_pos_enc.inv_timescales" not in weights
     assert weights["subsample_conv_projection.layer1.conv.weight"].shape == (4, 3, 3, 128)
     assert weights["layers.0.lconv1d.depthwise_conv1d.weight"].shape == (64, 5, 1)
@@ -274,7 +275,7 @@ def test_browser_microphone_recording_webm_opus(tmp_path):
 
     import av
 
-    from gemma4_mlx.audio_processing import load_audio
+    from gemma4_mlx.processing.audio import load_audio
 
     path = tmp_path / "recording.webm"
     rate = 48000

@@ -5,16 +5,17 @@ import time
 
 import pytest
 
-import gemma4_mlx.bench as bench
+import gemma4_mlx.bench.speed as bench
+from gemma4_mlx.variants import variant_config
 
 
 def test_variant_configs_keep_the_layer_pattern_and_kv_sharing():
-    e2b = bench.variant_config("e2b", layers=10)
+    e2b = variant_config("e2b", layers=10)
     assert e2b["layer_types"] == ["sliding_attention"] * 4 + ["full_attention"] + ["sliding_attention"] * 4 + ["full_attention"]
     # 20 of 35 layers share K/V in E2B; scaled down, the share is kept but one period still owns K/V.
     assert e2b["num_kv_shared_layers"] == 5
-    assert bench.variant_config("31b", layers=6)["layer_types"][-1] == "full_attention"
-    assert bench.variant_config("26b-a4b")["num_hidden_layers"] == 30
+    assert variant_config("31b", layers=6)["layer_types"][-1] == "full_attention"
+    assert variant_config("26b-a4b")["num_hidden_layers"] == 30
 
 
 def test_bench_prints_a_side_by_side_table(capsys):
@@ -42,7 +43,7 @@ def test_memory_bench_folder_loads_in_both_and_measures(tmp_path):
     in ours, mapped or not, and in mlx-lm, with the same greedy tokens; the table is filled in."""
     from checkpoints import text_config
 
-    from gemma4_mlx import bench_memory
+    from gemma4_mlx.bench import memory as bench_memory
 
     text = text_config("e2b", hidden_size_per_layer_input=32, vocab_size=2048, vocab_size_per_layer_input=2048)
     folder = bench_memory.write_checkpoint(tmp_path / "ckpt", text=text, progress=lambda _: None)

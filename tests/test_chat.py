@@ -12,10 +12,12 @@ from PIL import Image
 from test_multimodal import AUDIO, LARGE_VIT, SMALL_VIT
 
 import gemma4_mlx
-from gemma4_mlx.chat import Chat, ChatEngine
-from gemma4_mlx.generate import ContextLengthError
-from gemma4_mlx.prompt_cache import PromptCache, common_prefix_length
-from gemma4_mlx.reply import ReplySplitter, parse_tool_call
+from gemma4_mlx.generation.chat import Chat, ChatEngine
+from gemma4_mlx.errors import ContextLengthError
+from mlx_lm.utils import common_prefix_len as common_prefix_length
+
+from gemma4_mlx.generation.prompt_cache import PromptCache
+from gemma4_mlx.generation.reply import ReplySplitter, parse_tool_call
 
 TURNS = ["hello model, tell me about the water", "and what about the people of the world", "write one more word", "why"]
 
@@ -169,7 +171,7 @@ def test_chat_api(family_model):
     assert regenerated.strip() == b.strip()  # greedy
     chat.undo()
     assert len(chat.messages) == 2 and chat.messages[-1]["content"] == a.strip()
-    with pytest.raises(gemma4_mlx.multimodal.MediaError):
+    with pytest.raises(gemma4_mlx.MediaError):
         chat.ask("look", images=["/nonexistent/picture.png"])
     assert len(chat.messages) == 2  # a failed turn leaves no trace
     chat.reset()
@@ -206,6 +208,30 @@ def test_parse_tool_call_edge_cases():
     assert broken.name == "f" and broken.arguments == {} and "unterminated" in broken.raw
     assert parse_tool_call('call:f{"<|"|>k<|"|>":1}'.replace('"<|"|>k<|"|>"', '<|"|>k<|"|>')).arguments == {"k": 1}
     assert parse_tool_call("call:f{x:-2,y:1e3,z:null,w:word}").arguments == {"x": -2, "y": 1000.0, "z": None, "w": "word"}
+
+
+@pytest.mark.parametrize(
+    "text, arguments",
+    [
+        ("call:f{a:1, b:2}", {"a": 1, "b": 2}),  # a space after a comma
+        ("call:f{ a:1}", {"a": 1}),  # a space before a key
+        ("call:f{w:word}", {"w": "word"}),  # a bare word
+        ("call:f{x:None}", {"x": None}),  # Python's None
+        ("call:ns.get{x:1}", {"x": 1}),  # a dotted function name
+    ],
+)
+def test_our_tool_call_parser_where_mlx_lms_fails(text, arguments):
+    """mlx-lm's Gemma 4 tool-call parser would do, but it fails on these calls, which ours parses:
+    why gemma4_mlx.generation.reply keeps its own."""
+    from mlx_lm.tool_parsers.gemma4 import parse_tool_call as mlx_lm_parse
+
+    try:
+        theirs = mlx_lm_parse(text)
+    except ValueError:  # json.JSONDecodeError is a ValueError
+        theirs = None
+    assert theirs is None
+    call = parse_tool_call(text)
+    assert call.name == text[5 : text.index("{")] and call.arguments == arguments
 
 
 def test_scripted_reply_streams_parts_in_order(family_model):
@@ -263,7 +289,7 @@ def test_stop_during_prefill_keeps_the_cache_consistent(family_model):
 def test_replies_come_back_as_the_ids_that_generated_them(tmp_path):
     """A later turn prefills only its new message, even when the replies' text does not re-tokenize
     to the ids the model generated (an E2B-style template, which keeps no empty reasoning channel)."""
-    from gemma4_mlx.tiny import build_demo_checkpoint
+    from gemma4_mlx.testing import build_demo_checkpoint
 
     model, processor = gemma4_mlx.load(build_demo_checkpoint(tmp_path / "demo"))
     media = [model.config.image_token_id, model.config.audio_token_id, model.config.video_token_id]
@@ -316,7 +342,7 @@ def test_leaving_a_reply_early_then_exiting_is_clean(tmp_path, how):
     import subprocess
     import sys
 
-    from gemma4_mlx.tiny import build_demo_checkpoint
+    from gemma4_mlx.testing import build_demo_checkpoint
 
     folder = build_demo_checkpoint(tmp_path / "demo")
     run = subprocess.run([sys.executable, "-c", LEAVE_EARLY, str(folder), how], capture_output=True, text=True, timeout=300)

@@ -93,7 +93,7 @@ def test_quantized_round_trip(src, reference, tmp_path, opts, bound):
     assert ple["bits"] >= 8 and ple["mode"] == "affine"
     model, got = logits(out)
     assert model.language_model.layers[0].self_attn.q_proj.bits == opts["q_bits"]
-    assert model.language_model._mapped_ple.bits == 8  # mapped (affine 8-bit, also under mxfp4)
+    assert model.language_model.mapped_ple.bits == 8  # mapped (affine 8-bit, also under mxfp4)
     # Against the original: this tiny random model is chaotic (bf16 alone moves its logits by ~6%),
     # so the bound is loose; measured 8-bit 0.09, 4-bit 0.68.
     err = rel_err(got, reference)
@@ -271,7 +271,7 @@ def test_computed_sizes_equal_the_written_folder(mm_src, tmp_path, opts):
     """convert.sizes (the README's size table) computes exactly the tensor bytes convert writes."""
     from convert.sizes import converted_bytes
 
-    from gemma4_mlx.ple import read_safetensors_header
+    from gemma4_mlx.loading.ple import read_safetensors_header
 
     out = convert(str(mm_src), tmp_path / "o", max_shard_gb=0.0005, progress=lambda _: None, **opts)
     computed = converted_bytes(json.loads((mm_src / "config.json").read_text()), **opts)
@@ -286,7 +286,9 @@ def test_computed_sizes_equal_the_written_folder(mm_src, tmp_path, opts):
 
 
 def test_size_table_of_the_real_variants(capsys):
-    from convert.sizes import converted_bytes, main, published_config
+    from convert.sizes import converted_bytes, main
+
+    from gemma4_mlx.variants import published_config
 
     e2b = published_config("e2b")
     ple_rows, ple_cols = 262_144, 35 * 256

@@ -255,7 +255,7 @@ def test_streaming_never_emits_broken_utf8(mp, text):
 # --------------------------------------------------------------------------- command line
 def _cli(*args):
     return subprocess.run(
-        [sys.executable, "-m", "gemma4_mlx.generate", *args], capture_output=True, text=True, timeout=180
+        [sys.executable, "-m", "gemma4_mlx", *args], capture_output=True, text=True, timeout=180
     )
 
 
@@ -334,7 +334,7 @@ def test_bad_options_are_refused_at_every_entry_point(mp, option, message):
 def test_command_line_bad_input_is_a_one_line_error(e2b, args, stdin, message, monkeypatch, capsys):
     import io
 
-    from gemma4_mlx.generate import main
+    from gemma4_mlx.cli import main
 
     monkeypatch.setattr(sys, "stdin", io.TextIOWrapper(io.BytesIO(stdin), encoding="utf-8"))
     assert main(["--model", str(e2b.path), *args]) == 1  # returned, not raised: no traceback

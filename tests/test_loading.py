@@ -19,7 +19,7 @@ from mlx.utils import tree_flatten
 import gemma4_mlx
 from checkpoints import FAMILIES, build_hf_model, save_checkpoint, text_config, to_published_form
 from gemma4_mlx.errors import ConfigError
-from gemma4_mlx.tiny import media_token_ids
+from gemma4_mlx.testing import media_token_ids
 
 S, F = "sliding_attention", "full_attention"
 

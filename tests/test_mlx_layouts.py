@@ -80,7 +80,7 @@ def test_mlx_vlm_float_multimodal_matches_hf(e2b_mm, tmp_path):
     names = set(json.loads((out / "model.safetensors.index.json").read_text())["weight_map"])
     assert any(k.startswith("language_model.model.") for k in names) and "audio_tower.output_proj.weight" in names
     model, processor = gemma4_mlx.load(out)
-    assert model.has_audio and model.language_model._mapped_ple is not None
+    assert model.has_audio and model.language_model.mapped_ple is not None
     assert rel_err(model(IDS), hf_text_logits(hf)) < 1e-4
     # mlx-vlm's processor files give the same prompt and media arrays as the source's.
     inputs = mm_inputs(processor)
@@ -120,7 +120,7 @@ def test_mlx_vlm_4bit_matches_dequantized(fixture, request, tmp_path):
         assert bits["embed_audio.embedding_projection"] == 4
         # mlx-vlm quantizes the PLE table to 4 bits as well (our converter keeps it at 8); it is
         # mapped lazily all the same, with bits and group size read from the shapes.
-        mapped = model.language_model._mapped_ple
+        mapped = model.language_model.mapped_ple
         assert mapped.quantized and (mapped.bits, mapped.group_size) == (4, 64)
     ref = dequantized_reference(out, src)
     assert rel_err(model(IDS), np.array(ref(IDS))) < 1e-4

@@ -10,8 +10,8 @@ from checkpoints import build_hf_model, save_checkpoint
 from PIL import Image
 
 import gemma4_mlx
-from gemma4_mlx.generate import prefill
-from gemma4_mlx.multimodal import MediaError
+from gemma4_mlx.generation.decode import prefill
+from gemma4_mlx.errors import MediaError
 
 SMALL_VIT = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2,
                  num_key_value_heads=2, head_dim=16, use_clipped_linears=True, position_embedding_size=128)  # fmt: skip
@@ -57,7 +57,7 @@ def to_torch(inputs):
         a = np.array(v)
         out[k] = torch.from_numpy(a.astype(np.int64) if a.dtype.kind in "iu" else a)
     ids = out["input_ids"]
-    cfg = gemma4_mlx.tiny.media_token_ids()
+    cfg = gemma4_mlx.testing.media_token_ids()
     types = torch.zeros_like(ids)
     types[ids == cfg["image_token_id"]] = 1
     types[ids == cfg["video_token_id"]] = 2
@@ -113,8 +113,11 @@ def test_cached_decoding_after_multimodal_prompt_matches_full_forward(fixture, r
     embeds = mm.model.embed_multimodal(ids, **inputs)[0]
     cache = mm.model.make_cache()
     # Small chunks force chunk ends into image blocks; prefill must move them out.
-    last, last_embed = prefill(mm.model, ids[0], cache, step_size=13, inputs_embeds=embeds)
-    steps = [np.array(mm.model(last[None], cache=cache, inputs_embeds=last_embed[None]))]
+    n = ids.shape[1] - 1
+    blocks = mm.model.vision_block_ids(np.array(ids))  # the request pipeline finds them once
+    done = prefill(mm.model, ids[0, :n], cache, 13, inputs_embeds=embeds[:n], vision_blocks=None if blocks is None else blocks[0, :n])
+    assert done == n
+    steps = [np.array(mm.model(ids[:, n:], cache=cache, inputs_embeds=embeds[None, n:]))]
     for t in range(extra.shape[1]):
         steps.append(np.array(mm.model(extra[:, t : t + 1], cache=cache)))
     cached = np.concatenate(steps, axis=1)
@@ -199,14 +202,14 @@ def test_cli_takes_an_image(e2b_mm, tmp_path):
     img = tmp_path / "pic.png"
     image(60, 80, 9).save(img)
     run = subprocess.run(
-        [sys.executable, "-m", "gemma4_mlx.generate", "--model", str(e2b_mm.path), "--prompt", "what is this?",
+        [sys.executable, "-m", "gemma4_mlx", "--model", str(e2b_mm.path), "--prompt", "what is this?",
          "--image", str(img), "--image-tokens", "70", "--max-tokens", "3"],
         capture_output=True, text=True, timeout=120,
     )  # fmt: skip
     assert run.returncode == 0, run.stderr
     assert "prompt:" in run.stderr
     missing = subprocess.run(
-        [sys.executable, "-m", "gemma4_mlx.generate", "--model", str(e2b_mm.path), "--prompt", "x", "--image", str(tmp_path / "nope.png")],
+        [sys.executable, "-m", "gemma4_mlx", "--model", str(e2b_mm.path), "--prompt", "x", "--image", str(tmp_path / "nope.png")],
         capture_output=True, text=True, timeout=120,
     )  # fmt: skip
     assert missing.returncode == 1 and missing.stderr.startswith("error:") and "nope.png" in missing.stderr
@@ -287,7 +290,7 @@ def http_server(tmp_path):
 def test_http_media_are_bounded_and_never_left_behind(e2b_mm, tmp_path, http_server, monkeypatch):
     import tempfile
 
-    from gemma4_mlx import sources
+    from gemma4_mlx.processing import sources
 
     leftovers = lambda: sorted(Path(tempfile.gettempdir()).glob("gemma4-media-*"))  # noqa: E731
     before = leftovers()

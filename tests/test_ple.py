@@ -13,7 +13,7 @@ from mlx.utils import tree_flatten
 
 import gemma4_mlx
 from checkpoints import build_hf_model, save_checkpoint
-from gemma4_mlx.ple import MappedEmbedding, map_ple_table
+from gemma4_mlx.loading.ple import MappedEmbedding, map_ple_table
 
 PLE = "embed_tokens_per_layer"
 
@@ -38,7 +38,7 @@ def test_lazy_ple_logits_identical(e2b_checkpoint, dtype):
     lazy, _ = gemma4_mlx.load(e2b_checkpoint, dtype=dtype)
     full, _ = gemma4_mlx.load(e2b_checkpoint, dtype=dtype, lazy_ple=False)
     assert _ple_params(lazy) == [] and _ple_params(full) == [f"language_model.{PLE}.weight"]
-    assert isinstance(lazy.language_model._mapped_ple, MappedEmbedding)
+    assert isinstance(lazy.language_model.mapped_ple, MappedEmbedding)
     ids = mx.array(np.concatenate([random_ids(24, seed=1), random_ids(24, seed=2)]))
     a, b = lazy(ids), full(ids)
     assert a.dtype == b.dtype
@@ -212,7 +212,7 @@ def test_quantized_checkpoint_lazy_ple_identical(e2b_checkpoint, tmp_path):
     lazy, _ = gemma4_mlx.load(folder)
     full, _ = gemma4_mlx.load(folder, lazy_ple=False)
     assert _ple_params(lazy) == [] and isinstance(full.language_model.embed_tokens_per_layer, nn.QuantizedEmbedding)
-    mapped = lazy.language_model._mapped_ple
+    mapped = lazy.language_model.mapped_ple
     assert mapped.quantized and (mapped.bits, mapped.group_size) == (8, 32)
     ids = mx.array(random_ids(30, seed=7))
     assert mx.array_equal(lazy(ids), full(ids)).item()

@@ -8,7 +8,7 @@ import pytest
 
 import gemma4_mlx
 from app.backend import ModelHolder
-from gemma4_mlx.tiny import build_demo_checkpoint
+from gemma4_mlx.testing import build_demo_checkpoint
 
 
 @pytest.fixture(scope="module")
@@ -28,16 +28,16 @@ def run(workdir, *args):
 def test_load(workdir, monkeypatch, name):
     monkeypatch.chdir(workdir)
     model, processor = gemma4_mlx.load(name.replace("PARENT", workdir.name))
-    assert model.language_model._mapped_ple is not None  # the table is read from the file
+    assert model.language_model.mapped_ple is not None  # the table is read from the file
     assert len(gemma4_mlx.generate(model, processor, "hello", max_tokens=3)) > 0
 
 
 def test_command_line_and_converter(workdir):
-    out = run(workdir, "gemma4_mlx.generate", "--model", "./demo", "--prompt", "hello", "--max-tokens", "3")
+    out = run(workdir, "gemma4_mlx", "--model", "./demo", "--prompt", "hello", "--max-tokens", "3")
     assert "tokens" in out.stderr  # the statistics line
     run(workdir, "convert", "--hf-path", "./demo", "--mlx-path", "demo-8bit", "-q", "--q-bits", "8")
     assert (workdir / "demo-8bit" / "config.json").exists()
-    run(workdir, "gemma4_mlx.generate", "--model", "demo-8bit", "--prompt", "hello", "--max-tokens", "3")
+    run(workdir, "gemma4_mlx", "--model", "demo-8bit", "--prompt", "hello", "--max-tokens", "3")
 
 
 def test_app(workdir, monkeypatch):

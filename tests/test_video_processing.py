@@ -14,9 +14,9 @@ from PIL import Image
 from torchvision_guard import import_torchvision
 
 import gemma4_mlx
-from gemma4_mlx.multimodal import MediaError
-from gemma4_mlx.resize import axis_weights, resize_bicubic_antialias
-from gemma4_mlx.video_processing import VideoProcessor, load_video
+from gemma4_mlx.errors import MediaError
+from gemma4_mlx.processing.resize import axis_weights, resize_bicubic_antialias
+from gemma4_mlx.processing.video import VideoProcessor, load_video
 
 torchvision, REASON = import_torchvision()
 needs_torchvision = pytest.mark.skipif(torchvision is None, reason=f"transformers' video processor needs it: {REASON}")

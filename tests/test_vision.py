@@ -15,9 +15,10 @@ from transformers import Gemma4Config, Gemma4Model
 from transformers.models.gemma4.configuration_gemma4 import Gemma4VisionConfig
 from transformers.models.gemma4.image_processing_pil_gemma4 import Gemma4ImageProcessorPil
 
-from gemma4_mlx.image_processing import SUPPORTED_SOFT_TOKENS, ImageProcessor, load_image
-from gemma4_mlx.multimodal import MediaError, MultimodalEmbedder
-from gemma4_mlx.vision import VisionConfig, VisionTower, encode_images
+from gemma4_mlx.processing.image import SUPPORTED_SOFT_TOKENS, ImageProcessor, load_image
+from gemma4_mlx.errors import MediaError
+from gemma4_mlx.models.multimodal import MultimodalEmbedder
+from gemma4_mlx.models.vision import VisionConfig, VisionTower, encode_images
 
 BUDGETS = (70, 140, 280, 560, 1120)
 
@@ -263,7 +264,7 @@ def load_ours(hf: Gemma4Model) -> tuple[VisionTower, MultimodalEmbedder]:
     config = VisionConfig.from_dict(hf.config.vision_config.to_dict())
     tower = VisionTower(config)
     tower_weights = {k[len("vision_tower.") :]: v for k, v in state.items() if k.startswith("vision_tower.")}
-    tower.load_weights(list(VisionTower.sanitize(tower_weights, config).items()), strict=True)
+    tower.load_weights(list(tower.sanitize(tower_weights).items()), strict=True)
     embedder = MultimodalEmbedder(config.hidden_size, hf.config.text_config.hidden_size, eps=config.rms_norm_eps)
     projection = state["embed_vision.embedding_projection.weight"]
     embedder.load_weights([("embedding_projection.weight", projection)], strict=True)
@@ -342,15 +343,17 @@ def test_sanitize_and_config():
     config = VisionConfig.from_dict({**FAMILIES["large"], "model_type": "gemma4_vision", "something_new": 1})
     assert config.extra == {"model_type": "gemma4_vision", "something_new": 1}
     assert config.rope_theta == 250.0 and VisionConfig().rope_theta == 100.0
+    # Names relative to the tower (the loader strips "model.vision_tower." once).
     weights = {
-        "model.vision_tower.encoder.layers.0.self_attn.q_proj.linear.weight": 1,
-        "model.vision_tower.encoder.layers.0.self_attn.q_proj.input_min": 2,
-        "model.vision_tower.encoder.rotary_emb.inv_freq": 3,
+        "encoder.layers.0.self_attn.q_proj.linear.weight": 1,
+        "encoder.layers.0.self_attn.q_proj.input_min": 2,
+        "encoder.rotary_emb.inv_freq": 3,
         "std_bias": 4,
     }
-    assert VisionTower.sanitize(weights) == {
+    clipped = VisionTower(VisionConfig.from_dict({**FAMILIES["small"], "use_clipped_linears": True}))
+    assert clipped.sanitize(weights) == {
         "encoder.layers.0.self_attn.q_proj.linear.weight": 1,
         "encoder.layers.0.self_attn.q_proj.input_min": 2,
         "std_bias": 4,
     }
-    assert "encoder.layers.0.self_attn.q_proj.input_min" not in VisionTower.sanitize(weights, config)
+    assert "encoder.layers.0.self_attn.q_proj.input_min" not in VisionTower(config).sanitize(weights)

@@ -7,27 +7,27 @@ decodes incrementally. The module tree mirrors the Hugging Face checkpoint
 
 from __future__ import annotations
 
-import warnings
-
 import mlx.core as mx
 import mlx.nn as nn
 import numpy as np
 
+from ..config import ModelConfig
+from ..errors import MediaError, TokenIdError
+from ..modalities import MODALITIES
 from .audio import AudioConfig, AudioTower, encode_audio
 from .cache import make_cache
-from .config import ModelConfig
-from .errors import MediaError, TokenIdError
 from .multimodal import MultimodalEmbedder
 from .text import TextModel, softcap
 from .vision import VisionConfig, VisionTower, encode_images
 
 
 def check_token_ids(input_ids, vocab_size: int) -> None:
-    """Raise :class:`TokenIdError` if any id is outside ``[0, vocab_size)`` (forces an eval)."""
-    ids = mx.array(input_ids)
+    """Raise :class:`TokenIdError` if any id is outside ``[0, vocab_size)`` (an MLX array is
+    evaluated: a host sync; host arrays are checked on the host)."""
+    ids = input_ids if isinstance(input_ids, mx.array) else np.asarray(input_ids)
     if ids.size == 0:
         raise ValueError("empty input: at least one token id is needed")
-    lo, hi = mx.min(ids).item(), mx.max(ids).item()
+    lo, hi = int(ids.min()), int(ids.max())
     if lo < 0 or hi >= vocab_size:
         bad = hi if hi >= vocab_size else lo
         raise TokenIdError(f"token id {bad} is outside the vocabulary (0..{vocab_size - 1})")
@@ -62,13 +62,6 @@ class Gemma4Model(nn.Module):
     def layers(self):
         return self.language_model.layers
 
-    def adapt_to_device(self) -> None:
-        """Work around backend limits of the current device (see ``Experts.adapt_to_cpu``)."""
-        if mx.default_device().type == mx.DeviceType.cpu:
-            changed = [layer.experts.adapt_to_cpu() for layer in self.layers if layer.has_moe]
-            if any(changed):
-                warnings.warn("MLX's CPU backend needs float32 experts: half-precision expert weights were upcast")
-
     def materialize(self) -> None:
         """Evaluate every array the model holds: its parameters and the arrays modules keep outside
         them (RoPE tables and the like). A lazy array made on one thread cannot be evaluated on
@@ -92,6 +85,11 @@ class Gemma4Model(nn.Module):
         """Input ids with placeholders replaced by the pad id (placeholders may lie outside the vocab)."""
         mask = self.media_mask(input_ids)
         return input_ids if mask is None else mx.where(mask, self.text_config.pad_token_id or 0, input_ids)
+
+    @property
+    def media_token_ids(self) -> list[int]:
+        """The image, video and audio placeholder ids (empty for text-only checkpoints)."""
+        return list(self._media_token_ids)
 
     @property
     def has_vision(self) -> bool:
@@ -135,7 +133,7 @@ class Gemma4Model(nn.Module):
                     raise MediaError(f"the prompt has {len(slots)} {kind} placeholder tokens but no {kind} input")
                 continue
             if not supported:
-                raise MediaError(f"this model has no {'audio' if kind == 'audio' else 'vision'} tower: it cannot take {kind} input")
+                raise MediaError(MODALITIES[kind].unsupported())
             features = encode()
             if features.shape[0] != len(slots):
                 raise MediaError(
@@ -176,32 +174,41 @@ class Gemma4Model(nn.Module):
     ) -> mx.array:
         """Logits for ``input_ids`` [B, L] (or precomputed ``inputs_embeds`` [B, L, hidden]).
 
-        Media inputs (``pixel_values``, ``image_position_ids``, ``pixel_values_videos``,
+        The entry point for calling the model directly: token ids of prompts (L > 1) are checked
+        against the vocabulary and image blocks found on the host, then :meth:`forward` runs. Media
+        inputs (``pixel_values``, ``image_position_ids``, ``pixel_values_videos``,
         ``video_position_ids``, ``input_features``, ``input_features_mask``, as the processor returns
-        them) are encoded and merged into the embeddings. Prompts (L > 1) are checked against the
-        vocabulary; single decode tokens are not, so the decode loop never waits on the host.
+        them) are encoded and merged into the embeddings.
         """
         media = {k: v for k, v in media.items() if v is not None and k not in ("num_soft_tokens",)}
         if input_ids is not None and not isinstance(input_ids, mx.array):
             input_ids = mx.array(input_ids)
+        if input_ids is not None and input_ids.ndim == 1:
+            input_ids = input_ids[None]
         if media:
             if input_ids is None:
                 raise ValueError("media inputs need input_ids with their placeholder tokens")
             inputs_embeds = self.embed_multimodal(input_ids, **media)
-        masks = None
-        # Only prompts can hold image blocks; decode steps (L == 1) never look at their token on the host.
-        if input_ids is not None and input_ids.shape[-1] > 1:
-            blocks = self.vision_block_ids(input_ids.reshape(-1, input_ids.shape[-1]))
-            if blocks is not None:
-                offset = cache[0].offset if cache else 0
-                masks = self.language_model.make_masks(blocks.shape[-1], cache, offset, blocks)
-        if input_ids is not None:
-            if input_ids.ndim == 1:
-                input_ids = input_ids[None]
-            input_ids = self.text_token_ids(input_ids)
-            if input_ids.shape[-1] > 1:
-                check_token_ids(input_ids, self.text_config.vocab_size)
-        elif inputs_embeds is None:
+        if input_ids is None and inputs_embeds is None:
             raise ValueError("pass input_ids or inputs_embeds")
-        h = self.language_model(input_ids, cache, inputs_embeds, per_layer_token_inputs, masks)
+        blocks = None
+        if input_ids is not None and input_ids.shape[-1] > 1:  # prompts: decode steps never wait on the host
+            check_token_ids(self.text_token_ids(input_ids), self.text_config.vocab_size)
+            blocks = self.vision_block_ids(input_ids)
+        return self.forward(input_ids, cache, inputs_embeds, per_layer_token_inputs, blocks)
+
+    def forward(
+        self,
+        input_ids: mx.array | None,
+        cache: list | None = None,
+        inputs_embeds: mx.array | None = None,
+        per_layer_token_inputs: mx.array | None = None,
+        vision_blocks: np.ndarray | None = None,
+    ) -> mx.array:
+        """Logits [B, L, vocab] with no host sync: ids are not checked here (the request pipeline
+        checks a prompt once), and ``vision_blocks`` ([B, L] image-block ids of this chunk, from
+        :meth:`vision_block_ids`) come precomputed."""
+        if input_ids is not None:
+            input_ids = self.text_token_ids(input_ids)
+        h = self.language_model(input_ids, cache, inputs_embeds, per_layer_token_inputs, vision_blocks)
         return self.logits(h)

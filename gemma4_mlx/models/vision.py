@@ -15,8 +15,9 @@ import mlx.core as mx
 import mlx.nn as nn
 import numpy as np
 
-from .config import split_known_keys
-from .errors import MediaError
+from .. import ops
+from ..config import split_known_keys
+from ..errors import MediaError
 from .multimodal import ClippableLinear, MultimodalEmbedder
 
 _ACTIVATIONS = {"gelu_pytorch_tanh": nn.gelu_approx, "gelu": nn.gelu, "silu": nn.silu, "relu": nn.relu}
@@ -88,10 +89,10 @@ class Attention(nn.Module):
 
     def __call__(self, x: mx.array, offsets: mx.array, mask: mx.array | None) -> mx.array:
         B, L, _ = x.shape
-        q = rope_2d(self.q_norm(self.q_proj(x).reshape(B, L, -1, self.head_dim)), offsets, self.theta)
-        k = rope_2d(self.k_norm(self.k_proj(x).reshape(B, L, -1, self.head_dim)), offsets, self.theta)
-        v = mx.fast.rms_norm(self.v_proj(x).reshape(B, L, -1, self.head_dim), None, self.eps).transpose(0, 2, 1, 3)
-        out = mx.fast.scaled_dot_product_attention(q, k, v, scale=1.0, mask=mask)
+        q = rope_2d(ops.rms_norm(self.q_proj(x).reshape(B, L, -1, self.head_dim), self.q_norm.weight, self.eps), offsets, self.theta)
+        k = rope_2d(ops.rms_norm(self.k_proj(x).reshape(B, L, -1, self.head_dim), self.k_norm.weight, self.eps), offsets, self.theta)
+        v = ops.rms_norm(self.v_proj(x).reshape(B, L, -1, self.head_dim), None, self.eps).transpose(0, 2, 1, 3)
+        out = ops.attention(q, k, v, scale=1.0, mask=mask)
         return self.o_proj(out.transpose(0, 2, 1, 3).reshape(B, L, -1))
 
 
@@ -120,10 +121,14 @@ class EncoderLayer(nn.Module):
         self.post_attention_layernorm = nn.RMSNorm(h, eps=eps)
         self.pre_feedforward_layernorm = nn.RMSNorm(h, eps=eps)
         self.post_feedforward_layernorm = nn.RMSNorm(h, eps=eps)
+        self.eps = eps
 
     def __call__(self, x: mx.array, offsets: mx.array, mask: mx.array | None) -> mx.array:
-        x = x + self.post_attention_layernorm(self.self_attn(self.input_layernorm(x), offsets, mask))
-        return x + self.post_feedforward_layernorm(self.mlp(self.pre_feedforward_layernorm(x)))
+        eps = self.eps
+        h = self.self_attn(ops.rms_norm(x, self.input_layernorm.weight, eps), offsets, mask)
+        x = ops.add_rms_norm(x, h, self.post_attention_layernorm.weight, eps)
+        h = self.mlp(ops.rms_norm(x, self.pre_feedforward_layernorm.weight, eps))
+        return ops.add_rms_norm(x, h, self.post_feedforward_layernorm.weight, eps)
 
 
 class Encoder(nn.Module):
@@ -231,22 +236,15 @@ class VisionTower(nn.Module):
             out = (out - self.std_bias.astype(mx.float32)) * self.std_scale.astype(mx.float32)
         return out.astype(x.dtype), [int(c) for c in counts]
 
-    @staticmethod
-    def sanitize(weights: dict[str, Any], config: VisionConfig | None = None) -> dict[str, Any]:
-        """HF vision-tower tensors -> this module's (names map 1:1; a leading ``model.vision_tower.``
-        is stripped). Drops the rotary ``inv_freq`` buffers (recomputed), and the clip bounds when
-        ``config`` says the tower has no clipped linears (transformers ignores them then)."""
-        out = {}
-        for k, v in weights.items():
-            for prefix in ("model.vision_tower.", "vision_tower."):
-                if k.startswith(prefix):
-                    k = k[len(prefix) :]
-            if "rotary_emb." in k:
-                continue
-            if config is not None and not config.use_clipped_linears and k.endswith(_CLIP_BOUNDS):
-                continue
-            out[k] = v
-        return out
+    def sanitize(self, weights: dict[str, Any]) -> dict[str, Any]:
+        """The tower's checkpoint tensors (names relative to the tower) -> this module's: names map
+        1:1; the rotary ``inv_freq`` buffers are dropped (recomputed), and so are the clip bounds when
+        the tower has no clipped linears (transformers ignores them then)."""
+        return {
+            k: v
+            for k, v in weights.items()
+            if "rotary_emb." not in k and (self.config.use_clipped_linears or not k.endswith(_CLIP_BOUNDS))
+        }
 
 
 def encode_images(tower: VisionTower, embedder: MultimodalEmbedder, pixel_values, position_ids) -> mx.array:

@@ -7,8 +7,6 @@ import math
 import mlx.core as mx
 import mlx.nn as nn
 
-from .errors import MediaError  # noqa: F401 - documented as gemma4_mlx.multimodal.MediaError
-
 
 class ClippableLinear(nn.Module):
     """A bias-free linear whose input and output are clamped to bounds stored in the checkpoint."""

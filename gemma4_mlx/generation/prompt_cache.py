@@ -16,14 +16,9 @@ import copy
 
 import mlx.core as mx
 from mlx_lm.models.cache import KVCache
+from mlx_lm.utils import common_prefix_len
 
-
-def common_prefix_length(a: list[int], b: list[int]) -> int:
-    n = min(len(a), len(b))
-    for i in range(n):
-        if a[i] != b[i]:
-            return i
-    return n
+from .decode import prefill
 
 
 class PromptCache:
@@ -48,7 +43,7 @@ class PromptCache:
 
         At least the last token is always left to run, since its logits give the first new token.
         """
-        usable = min(common_prefix_length(self.ids, ids), len(ids) - 1)
+        usable = min(common_prefix_len(self.ids, ids), len(ids) - 1)
         if usable == len(self.ids):
             return usable
         points = [p for p in self.snapshots if p <= usable]
@@ -57,6 +52,30 @@ class PromptCache:
             return 0
         self._restore(max(points))
         return len(self.ids)
+
+    def extend(self, model, ids: list[int], embeds, vision_blocks, snapshot_points: set[int], step_size: int, stop=None) -> bool:
+        """Run ``ids[self.offset:]`` into the cache (``ids`` continue what it holds; ``embeds`` and
+        ``vision_blocks`` cover ``ids[self.offset:]`` and ``ids``), snapshotting where it reaches a
+        position in ``snapshot_points``. ``stop()`` is asked between prefill chunks: returns False
+        when it stopped there (the cache then holds the whole chunks run so far)."""
+        start = position = self.offset
+        for end in sorted(p for p in snapshot_points | {len(ids)} if p > position):
+            if position > start and stop is not None and stop():
+                return False
+            part_embeds = None if embeds is None else embeds[position - start : end - start]
+            blocks = None if vision_blocks is None else vision_blocks[position:end]
+            done = prefill(model, ids[position:end], self.cache, step_size, None, part_embeds, blocks, stop)
+            self.advance(ids)
+            if position + done < end:
+                return False
+            position = end
+            if end in snapshot_points:
+                self.snapshot()
+        return True
+
+    def advance(self, ids: list[int]) -> None:
+        """The cache has run on through ``ids`` (as far as its offset): remember which tokens it holds."""
+        self.ids = list(ids[: self.offset])
 
     def snapshot(self) -> None:
         """Remember the cache as it is now (at ``len(self.ids)`` tokens)."""

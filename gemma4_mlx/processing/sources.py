@@ -14,7 +14,7 @@ import urllib.parse
 import urllib.request
 from pathlib import Path
 
-from .errors import MediaError
+from ..errors import MediaError
 
 MAX_DOWNLOAD_BYTES = 256 * 1024 * 1024  # a long 1080p clip fits; the decoders bound pixels and frames
 DOWNLOAD_TIMEOUT = 30.0  # seconds without data before a download is given up

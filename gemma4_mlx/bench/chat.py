@@ -1,7 +1,7 @@
 """Benchmark: prefix reuse across chat turns (the cost of a new turn), with and without reuse.
 
-    python -m gemma4_mlx.bench_chat                                # E2B shapes, CPU-sized defaults
-    python -m gemma4_mlx.bench_chat --variant 31b --history 1024 4096 16384 --layers full --bits 4
+    python -m gemma4_mlx.bench.chat                                # E2B shapes, CPU-sized defaults
+    python -m gemma4_mlx.bench.chat --variant 31b --history 1024 4096 16384 --layers full --bits 4
 
 A conversation starts with a long first message (``--history`` tokens), gets a reply, then a short
 second message (``--new`` tokens). The table shows the second turn's prompt size, how much of it was
@@ -19,10 +19,11 @@ from pathlib import Path
 
 import mlx.core as mx
 
-from .bench import CPU_LAYERS, VARIANTS, build_pair, variant_config
-from .chat import ChatEngine
-from .config import ModelConfig
-from .processing import Processor
+from ..variants import VARIANTS, variant_config
+from .speed import CPU_LAYERS, build_pair
+from ..generation.chat import ChatEngine
+from ..config import ModelConfig
+from ..processing.processor import Processor
 
 
 def make_processor(vocab_size: int, small: bool = True) -> Processor:
@@ -30,8 +31,8 @@ def make_processor(vocab_size: int, small: bool = True) -> Processor:
     26B/31B (random weights need no real vocabulary)."""
     from mlx_lm.tokenizer_utils import load as load_tokenizer
 
-    from .processing import published_chat_template
-    from .tiny import write_tokenizer
+    from ..processing.processor import published_chat_template
+    from ..testing import write_tokenizer
 
     with tempfile.TemporaryDirectory(prefix="gemma4-bench-") as folder:
         write_tokenizer(Path(folder), chat_template=published_chat_template(small))
@@ -74,7 +75,7 @@ def second_turn(engine: ChatEngine, processor: Processor, history_tokens: int, n
 
 def main(argv: list[str] | None = None) -> None:
     on_gpu = mx.default_device().type == mx.DeviceType.gpu
-    p = argparse.ArgumentParser(prog="python -m gemma4_mlx.bench_chat", description=__doc__.split("\n\n")[0])
+    p = argparse.ArgumentParser(prog="python -m gemma4_mlx.bench.chat", description=__doc__.split("\n\n")[0])
     p.add_argument("--variant", default="e2b", choices=list(VARIANTS))
     p.add_argument("--layers", default=None, help="layers ('full' for all; default: full on a GPU, fewer on a CPU)")
     p.add_argument("--bits", type=int, default=4 if on_gpu else 0, help="quantization bits (0: unquantized)")

@@ -22,75 +22,15 @@ import mlx.core as mx
 import mlx.nn as nn
 from mlx.utils import tree_flatten
 
-from .config import FULL, SLIDING, ModelConfig
-from .model import Gemma4Model
-
-S, F = SLIDING, FULL
-
-# Published text configs (the parts that shape compute and memory).
-VARIANTS = {
-    "e2b": dict(
-        hidden_size=1536, intermediate_size=6144, num_hidden_layers=35, layer_types=[S, S, S, S, F] * 7,
-        num_attention_heads=8, num_key_value_heads=1, head_dim=256, global_head_dim=512,
-        num_kv_shared_layers=20, hidden_size_per_layer_input=256, use_double_wide_mlp=True, sliding_window=512,
-    ),
-    "e4b": dict(
-        hidden_size=2560, intermediate_size=10240, num_hidden_layers=42, layer_types=([S] * 5 + [F]) * 7,
-        num_attention_heads=8, num_key_value_heads=2, head_dim=256, global_head_dim=512,
-        num_kv_shared_layers=18, hidden_size_per_layer_input=256, use_double_wide_mlp=True, sliding_window=512,
-    ),
-    "26b-a4b": dict(
-        hidden_size=2816, intermediate_size=2112, num_hidden_layers=30, layer_types=([S] * 5 + [F]) * 5,
-        num_attention_heads=16, num_key_value_heads=8, num_global_key_value_heads=2, head_dim=256, global_head_dim=512,
-        attention_k_eq_v=True, enable_moe_block=True, num_experts=128, top_k_experts=8, moe_intermediate_size=704,
-        hidden_size_per_layer_input=0, sliding_window=1024,
-    ),
-    "31b": dict(
-        hidden_size=5376, intermediate_size=21504, num_hidden_layers=60, layer_types=([S] * 5 + [F]) * 10,
-        num_attention_heads=32, num_key_value_heads=16, num_global_key_value_heads=4, head_dim=256, global_head_dim=512,
-        attention_k_eq_v=True, hidden_size_per_layer_input=0, sliding_window=1024,
-    ),
-}
-
-
-def variant_config(name: str, layers: int | None = None, vocab_size: int = 262_144) -> dict:
-    """The variant's text config, cut to ``layers`` layers (whole pattern periods, KV sharing kept)."""
-    # Every field spelled out: mlx-lm's defaults are E2B's (KV sharing, double-wide MLP).
-    defaults = dict(
-        vocab_size=vocab_size, vocab_size_per_layer_input=vocab_size, final_logit_softcapping=30.0,
-        num_kv_shared_layers=0, use_double_wide_mlp=False, attention_k_eq_v=False, enable_moe_block=False,
-    )
-    cfg = {**defaults, **VARIANTS[name]}
-    n = cfg["num_hidden_layers"]
-    if layers is not None and layers < n:
-        period = cfg["layer_types"].index(F) + 1
-        shared = cfg["num_kv_shared_layers"]
-        if shared:
-            # Keep the share of KV-shared layers, but leave one whole period of layers that own K/V.
-            keep = max(2 * period, layers // period * period)
-            cfg["num_kv_shared_layers"] = min(round(shared * keep / n), keep - period)
-            cfg["layer_types"] = cfg["layer_types"][:keep]
-        elif layers < period:
-            # Less than one period: sliding layers then one full layer, so both kinds are measured.
-            cfg["layer_types"] = [S] * (max(layers, 2) - 1) + [F]
-        else:
-            cfg["layer_types"] = cfg["layer_types"][: layers // period * period]
-        cfg["num_hidden_layers"] = len(cfg["layer_types"])
-    return cfg
-
+from ..config import ModelConfig
+from ..loading import adapt_to_device
+from ..loading.quantization import QuantizationPlan, quantize_model
+from ..models.gemma4 import Gemma4Model
+from ..variants import VARIANTS, variant_config
 
 # Layers per variant on a CPU: E2B/E4B need two periods to keep KV sharing; 26B/31B layers are
 # large (a 26B layer holds 761M expert weights), so one sliding and one full layer.
 CPU_LAYERS = {"e2b": 10, "e4b": 12, "26b-a4b": 2, "31b": 2}
-
-
-def quant_predicate(path: str, module: nn.Module):
-    """4-bit everything that can be, except the router (8-bit) and the PLE table (8-bit: 4-bit ruins it)."""
-    if not hasattr(module, "to_quantized"):
-        return False
-    if path.endswith("router.proj") or path.endswith("embed_tokens_per_layer"):
-        return {"group_size": 64, "bits": 8}
-    return True
 
 
 def build_pair(name: str, layers: int | None, bits: int | None, dtype=mx.bfloat16, vocab_size: int = 262_144):
@@ -101,10 +41,10 @@ def build_pair(name: str, layers: int | None, bits: int | None, dtype=mx.bfloat1
     ours = Gemma4Model(ModelConfig.from_dict({"model_type": "gemma4_text", **text}))
     ours.set_dtype(dtype)
     theirs = gemma4_text.Model(gemma4_text.ModelArgs.from_dict({"model_type": "gemma4_text", **text}))
-    if bits:
-        nn.quantize(ours, group_size=64, bits=bits, class_predicate=quant_predicate)
-        nn.quantize(theirs, group_size=64, bits=bits, class_predicate=quant_predicate)
-    ours.adapt_to_device()  # float32 experts on a CPU; theirs get the very same arrays below
+    if bits:  # the converter's rules (8-bit router and PLE table), on both module trees
+        quantize_model(ours, QuantizationPlan(bits, 64, "affine"))
+        quantize_model(theirs, QuantizationPlan(bits, 64, "affine"))
+    adapt_to_device(ours)  # float32 experts on a CPU; theirs get the very same arrays below
     mx.eval(ours.parameters())
     # Our tree is language_model.*, theirs model.*; everything else is named alike.
     weights = [("model." + k.removeprefix("language_model."), v) for k, v in tree_flatten(ours.parameters())]
@@ -124,7 +64,7 @@ class Run:
 def run_ours(model, prompt: mx.array, gen_tokens: int) -> Run:
     from mlx_lm.sample_utils import make_sampler
 
-    from .generate import generate_tokens
+    from ..generation.decode import generate_tokens
 
     return _timed(generate_tokens(model, prompt, model.make_cache(), gen_tokens, make_sampler(0.0)), prompt.size, gen_tokens)
 

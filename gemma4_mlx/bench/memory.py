@@ -1,7 +1,7 @@
 """Resident memory of a 4-bit E2B: gemma4-mlx (PLE table mapped or loaded) and mlx-lm, same folder.
 
-    python -m gemma4_mlx.bench_memory                           # writes ~3.8 GB to a temporary folder
-    python -m gemma4_mlx.bench_memory --folder /tmp/e2b-4bit    # keeps (or reuses) the folder
+    python -m gemma4_mlx.bench.memory                           # writes ~3.8 GB to a temporary folder
+    python -m gemma4_mlx.bench.memory --folder /tmp/e2b-4bit    # keeps (or reuses) the folder
 
 It writes a random checkpoint with E2B's real text shapes (35 layers, vocabulary 262144, PLE table
 262144 x 35*256), quantized by ``python -m convert``'s rules (4-bit, group 64; the PLE table at
@@ -41,10 +41,10 @@ def write_checkpoint(folder: str | Path, variant: str = "e2b", bits: int = 4, gr
     with the tiny tokenizer padded to the vocabulary."""
     from convert.converter import QuantizationPlan, quantize_model, write_shards
 
-    from .bench import variant_config
-    from .config import ModelConfig
-    from .model import Gemma4Model
-    from .tiny import write_tokenizer
+    from ..variants import variant_config
+    from ..config import ModelConfig
+    from ..models.gemma4 import Gemma4Model
+    from ..testing import write_tokenizer
 
     folder = Path(folder)
     folder.mkdir(parents=True, exist_ok=True)
@@ -104,7 +104,7 @@ def reset_peak_rss() -> bool:
 
 def measure(kind: str, folder: Path, prompt_tokens: int, gen_tokens: int) -> dict:
     """Load ``folder`` as ``kind`` and generate; memory figures in bytes."""
-    from .bench import run_mlx_lm, run_ours
+    from .speed import run_mlx_lm, run_ours
 
     before = proc_status()
     tic = time.perf_counter()
@@ -113,7 +113,7 @@ def measure(kind: str, folder: Path, prompt_tokens: int, gen_tokens: int) -> dic
 
         model, _ = mlx_lm.load(str(folder))
     else:
-        from .loading import load
+        from ..loading import load
 
         model, _ = load(folder, lazy_ple=kind == "ours-lazy-ple")
     load_s = time.perf_counter() - tic
@@ -132,8 +132,8 @@ def measure(kind: str, folder: Path, prompt_tokens: int, gen_tokens: int) -> dic
 
 def decode_speed(folder: Path, prompt_tokens: int, gen_tokens: int, repeats: int) -> dict:
     """Ours with the PLE table mapped and loaded, in one process, timed alternately: best tok/s."""
-    from .bench import run_ours
-    from .loading import load
+    from .speed import run_ours
+    from ..loading import load
 
     models = {kind: load(folder, lazy_ple=kind == "ours-lazy-ple")[0] for kind in KINDS[:2]}
     vocab = models[KINDS[0]].text_config.vocab_size
@@ -180,7 +180,7 @@ def _run_child(what: str, args, prompt_tokens: int | None = None, gen_tokens: in
     env = dict(os.environ)
     root = str(Path(__file__).resolve().parents[1])  # so the child imports this checkout
     env["PYTHONPATH"] = root + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
-    cmd = [sys.executable, "-m", "gemma4_mlx.bench_memory", "--child", what, "--folder", str(args.folder),
+    cmd = [sys.executable, "-m", "gemma4_mlx.bench.memory", "--child", what, "--folder", str(args.folder),
            "--prompt-tokens", str(prompt_tokens or args.prompt_tokens), "--gen-tokens", str(gen_tokens or args.gen_tokens), "--repeats", str(args.repeats)]  # fmt: skip
     proc = subprocess.run(cmd, capture_output=True, text=True, env=env)
     lines = [line for line in proc.stdout.splitlines() if line.startswith("RESULT ")]
@@ -212,7 +212,7 @@ def memory_table(results: list[dict]) -> str:
 
 
 def main(argv: list[str] | None = None) -> dict:
-    p = argparse.ArgumentParser(prog="python -m gemma4_mlx.bench_memory", description=__doc__.split("\n\n")[0])
+    p = argparse.ArgumentParser(prog="python -m gemma4_mlx.bench.memory", description=__doc__.split("\n\n")[0])
     p.add_argument("--folder", default=None, help="checkpoint folder: reused if it holds one, else written (kept)")
     p.add_argument("--prompt-tokens", type=int, default=64)
     p.add_argument("--gen-tokens", type=int, default=16)

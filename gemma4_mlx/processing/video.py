@@ -16,9 +16,9 @@ from typing import Any
 
 import numpy as np
 
-from .config import read_json_object
-from .errors import MediaError
-from .image_processing import aspect_ratio_preserving_size, check_budget
+from ..config import read_json_object
+from ..errors import MediaError
+from .image import aspect_ratio_preserving_size, check_budget
 from .resize import resize_bicubic_antialias
 
 NUM_FRAMES = 32

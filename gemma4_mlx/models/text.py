@@ -13,15 +13,12 @@ from typing import Any
 
 import mlx.core as mx
 import mlx.nn as nn
-from mlx_lm.models.rope_utils import ProportionalRoPE
+from mlx_lm.models.base import create_attention_mask
+from mlx_lm.models.rope_utils import initialize_rope
 from mlx_lm.models.switch_layers import SwitchGLU
 
-from .config import FULL, SLIDING, LayerSpec, TextConfig, UnsupportedModelError
-
-
-@partial(mx.compile, shapeless=True)
-def geglu(gate: mx.array, up: mx.array) -> mx.array:
-    return nn.gelu_approx(gate) * up
+from .. import ops
+from ..config import FULL, SLIDING, LayerSpec, TextConfig, UnsupportedModelError
 
 
 @partial(mx.compile, shapeless=True)
@@ -29,26 +26,14 @@ def softcap(x: mx.array, cap: float) -> mx.array:
     return mx.tanh(x / cap) * cap
 
 
-def rms_norm_no_scale(x: mx.array, eps: float) -> mx.array:
-    return mx.fast.rms_norm(x, None, eps)
-
-
 def make_rope(head_dim: int, params: dict[str, Any]) -> nn.Module:
-    """RoPE for one layer type: "default" (all dims) or "proportional" (first fraction of pairs)."""
+    """RoPE for one layer type, by mlx-lm's ``initialize_rope``: "default" (all dims) or
+    "proportional" (rotate-half over all dims, but only the first ``partial_rotary_factor`` of the
+    frequency pairs turn: dims 0-63 pair with 256-319 at head_dim 512; the rest are identity)."""
     rope_type = params.get("rope_type", "default")
-    theta = float(params.get("rope_theta", 10_000.0))
-    if rope_type == "default":
-        return nn.RoPE(head_dim, traditional=False, base=theta)
-    if rope_type == "proportional":
-        # Rotate-half over all head_dim dims, but only the first partial_rotary_factor of the
-        # frequency pairs turn (dims 0-63 pair with 256-319 at head_dim 512); the rest are identity.
-        return ProportionalRoPE(
-            dims=head_dim,
-            rotated_dims=2 * int(params.get("partial_rotary_factor", 1.0) * head_dim // 2),
-            base=theta,
-            factor=float(params.get("factor", 1.0)),
-        )
-    raise UnsupportedModelError(f"unsupported rope_type {rope_type!r}")
+    if rope_type not in ("default", "proportional"):
+        raise UnsupportedModelError(f"unsupported rope_type {rope_type!r}")
+    return initialize_rope(head_dim, float(params.get("rope_theta", 10_000.0)), traditional=False, scaling_config=params)
 
 
 class Attention(nn.Module):
@@ -73,8 +58,8 @@ class Attention(nn.Module):
 
     def __call__(self, x, mask, cache, offset, shared_kv=None):
         B, L, _ = x.shape
-        q = self.q_norm(self.q_proj(x).reshape(B, L, -1, self.head_dim))
-        q = self.rope(q.transpose(0, 2, 1, 3), offset=offset)
+        q = ops.rms_norm(self.q_proj(x).reshape(B, L, -1, self.head_dim), self.q_norm.weight, self.eps)
+        q = ops.rope(q.transpose(0, 2, 1, 3), offset, self.rope)
 
         if shared_kv is not None:
             # KV-shared layer: attend over the source layer's cached K/V (already normed and rotated).
@@ -83,12 +68,12 @@ class Attention(nn.Module):
             k = self.k_proj(x).reshape(B, L, -1, self.head_dim)
             # K=V layers: V is the raw k_proj output, before k_norm and without RoPE.
             v = k if self.spec.k_eq_v else self.v_proj(x).reshape(B, L, -1, self.head_dim)
-            k = self.rope(self.k_norm(k).transpose(0, 2, 1, 3), offset=offset)
-            v = rms_norm_no_scale(v, self.eps).transpose(0, 2, 1, 3)
+            k = ops.rope(ops.rms_norm(k, self.k_norm.weight, self.eps).transpose(0, 2, 1, 3), offset, self.rope)
+            v = ops.rms_norm(v, None, self.eps).transpose(0, 2, 1, 3)
             if cache is not None:
                 k, v = cache.update_and_fetch(k, v)
 
-        out = mx.fast.scaled_dot_product_attention(q, k, v, scale=1.0, mask=mask)
+        out = ops.attention(q, k, v, scale=1.0, mask=mask)
         out = out.transpose(0, 2, 1, 3).reshape(B, L, -1)
         return self.o_proj(out), (k, v)
 
@@ -101,7 +86,7 @@ class MLP(nn.Module):
         self.down_proj = nn.Linear(intermediate_size, hidden_size, bias=False)
 
     def __call__(self, x):
-        return self.down_proj(geglu(self.gate_proj(x), self.up_proj(x)))
+        return self.down_proj(ops.geglu(self.gate_proj(x), self.up_proj(x)))
 
 
 class Router(nn.Module):
@@ -117,7 +102,7 @@ class Router(nn.Module):
         self.per_expert_scale = mx.ones((cfg.num_experts,))
 
     def __call__(self, x):
-        x = mx.fast.rms_norm(x, self.scale * self.root_size, self.eps)
+        x = ops.rms_norm(x, self.scale * self.root_size, self.eps)
         scores = self.proj(x)
         # softmax over all experts then renormalising the top-k equals a softmax over the top-k.
         idx = mx.stop_gradient(mx.argpartition(-scores, kth=self.top_k - 1, axis=-1)[..., : self.top_k])
@@ -130,7 +115,7 @@ class GeGLU(nn.Module):
     """SwitchGLU's activation hook, called as activation(up, gate)."""
 
     def __call__(self, up, gate):
-        return geglu(gate, up)
+        return ops.geglu(gate, up)
 
 
 class Experts(nn.Module):
@@ -141,20 +126,7 @@ class Experts(nn.Module):
         self.switch_glu = SwitchGLU(cfg.hidden_size, cfg.moe_intermediate_size, cfg.num_experts, activation=GeGLU())
 
     def __call__(self, x, idx, weights):
-        y = self.switch_glu(x, idx)
-        return (y * weights[..., None]).sum(axis=-2).astype(x.dtype)
-
-    def adapt_to_cpu(self) -> bool:
-        """MLX's CPU backend runs gather_mm only in float32: upcast unquantized half-precision experts.
-
-        Returns True if anything was cast. Metal and CUDA run them in any dtype and never call this.
-        """
-        changed = False
-        for proj in (self.switch_glu.gate_proj, self.switch_glu.up_proj, self.switch_glu.down_proj):
-            if "scales" not in proj and proj.weight.dtype != mx.float32:
-                proj.weight = proj.weight.astype(mx.float32)
-                changed = True
-        return changed
+        return ops.moe_experts(x, idx, weights, self.switch_glu)
 
 
 class DecoderLayer(nn.Module):
@@ -169,6 +141,7 @@ class DecoderLayer(nn.Module):
         self.pre_feedforward_layernorm = nn.RMSNorm(h, eps=eps)
         self.post_feedforward_layernorm = nn.RMSNorm(h, eps=eps)
         self.layer_scalar = mx.ones((1,))
+        self.eps = eps
         self.has_moe = cfg.enable_moe_block
         if self.has_moe:
             self.router = Router(cfg)
@@ -183,21 +156,25 @@ class DecoderLayer(nn.Module):
             self.post_per_layer_input_norm = nn.RMSNorm(h, eps=eps)
 
     def __call__(self, x, mask, cache, offset, per_layer_input=None, shared_kv=None):
-        h, kv = self.self_attn(self.input_layernorm(x), mask, cache, offset, shared_kv)
-        x = x + self.post_attention_layernorm(h)
+        eps = self.eps
+        h, kv = self.self_attn(ops.rms_norm(x, self.input_layernorm.weight, eps), mask, cache, offset, shared_kv)
+        x = ops.add_rms_norm(x, h, self.post_attention_layernorm.weight, eps)
 
-        h = self.mlp(self.pre_feedforward_layernorm(x))
+        h = self.mlp(ops.rms_norm(x, self.pre_feedforward_layernorm.weight, eps))
         if self.has_moe:
             # The MoE block runs beside the dense MLP; the router reads the residual stream.
             idx, weights = self.router(x)
-            moe = self.experts(self.pre_feedforward_layernorm_2(x), idx, weights)
-            h = self.post_feedforward_layernorm_1(h) + self.post_feedforward_layernorm_2(moe)
-        x = x + self.post_feedforward_layernorm(h)
+            moe = self.experts(ops.rms_norm(x, self.pre_feedforward_layernorm_2.weight, eps), idx, weights)
+            moe = ops.rms_norm(moe, self.post_feedforward_layernorm_2.weight, eps)
+            h = ops.add_rms_norm(moe, h, self.post_feedforward_layernorm_1.weight, eps)
+        # Every layer ends scaled by its layer_scalar, after its last residual add.
+        scalar = None if self.has_ple else self.layer_scalar
+        x = ops.add_rms_norm(x, h, self.post_feedforward_layernorm.weight, eps, scalar)
 
         if self.has_ple:
-            g = geglu(self.per_layer_input_gate(x), per_layer_input)
-            x = x + self.post_per_layer_input_norm(self.per_layer_projection(g))
-        return x * self.layer_scalar, kv
+            g = ops.geglu(self.per_layer_input_gate(x), per_layer_input)
+            x = ops.add_rms_norm(x, self.per_layer_projection(g), self.post_per_layer_input_norm.weight, eps, self.layer_scalar)
+        return x, kv
 
 
 class TextModel(nn.Module):
@@ -222,23 +199,27 @@ class TextModel(nn.Module):
         return h * mx.array(self.config.hidden_size**0.5, dtype=h.dtype)
 
     def use_mapped_ple(self, mapped) -> None:
-        """Look PLE rows up in ``mapped`` (a :class:`~gemma4_mlx.ple.MappedEmbedding` over the
-        checkpoint file) instead of the in-memory ``embed_tokens_per_layer``, which is removed.
+        """Look PLE rows up in ``mapped`` (a :class:`~gemma4_mlx.loading.ple.MappedEmbedding` over
+        the checkpoint file) instead of the in-memory ``embed_tokens_per_layer``, which is removed.
 
-        ``mapped`` is a plain attribute, not a parameter: ``parameters()``/``load_weights`` skip it.
-        """
+        The table is kept outside the module tree, so ``parameters()``/``load_weights`` skip it."""
         if mapped is None:
             raise ValueError("use_mapped_ple needs a mapped table")
         if "embed_tokens_per_layer" in self:
             del self.embed_tokens_per_layer
         self._mapped_ple = mapped
 
+    @property
+    def mapped_ple(self):
+        """The memory-mapped PLE table in use (:meth:`use_mapped_ple`), or None."""
+        return getattr(self, "_mapped_ple", None)
+
     def per_layer_token_inputs(self, input_ids: mx.array) -> mx.array:
         """Token part of PLE: [B, L, layers, ple_dim]."""
         cfg = self.config
         # A mapped table gathers its rows on the host, so it evaluates input_ids (during decode,
         # the sampled token): inherent to reading from disk, and the only sync it adds.
-        mapped = getattr(self, "_mapped_ple", None)
+        mapped = self.mapped_ple
         e = mapped(input_ids) if mapped is not None else self.embed_tokens_per_layer(input_ids)
         e = e * mx.array(cfg.hidden_size_per_layer_input**0.5, dtype=e.dtype)
         return e.reshape(*input_ids.shape, cfg.num_hidden_layers, cfg.hidden_size_per_layer_input)
@@ -248,21 +229,24 @@ class TextModel(nn.Module):
         cfg = self.config
         ctx = self.per_layer_model_projection(inputs_embeds) * (cfg.hidden_size**-0.5)
         ctx = ctx.reshape(*inputs_embeds.shape[:-1], cfg.num_hidden_layers, cfg.hidden_size_per_layer_input)
-        ctx = self.per_layer_projection_norm(ctx)
+        ctx = ops.rms_norm(ctx, self.per_layer_projection_norm.weight, cfg.rms_norm_eps)
         return (ctx + token_inputs) * (2.0**-0.5)
 
-    def make_masks(self, L: int, cache, offset: int, vision_blocks=None) -> dict[str, Any]:
-        """Causal masks per layer type; sliding layers also mask keys older than the window.
+    def make_masks(self, h: mx.array, cache, offset: int, vision_blocks=None) -> dict[str, Any]:
+        """Masks per layer type for the chunk ``h`` [B, L, hidden] (mlx-lm's causal masks; sliding
+        layers also mask keys older than the window).
 
         ``vision_blocks`` ([B, L] ids of image blocks, -1 for text) makes each block bidirectional in
         sliding layers: (causal OR same block) AND inside the window. Blocks must not straddle chunks.
         """
+        L = h.shape[1]
         masks = {}
         for layer_type, first in self._first_of_type.items():
             window = self.config.sliding_window if layer_type == SLIDING else None
             c = cache[first] if cache is not None else None
             if window is not None and vision_blocks is not None and L > 1:
                 # Keys: what the rotating cache keeps from before this chunk (window - 1), then the chunk.
+                # (No mlx-lm helper has the block rule: built here.)
                 past = min(window - 1, offset) if c is not None else 0
                 q = mx.arange(offset, offset + L)[:, None]
                 k = mx.arange(offset - past, offset + L)[None]
@@ -270,15 +254,8 @@ class TextModel(nn.Module):
                 kb = mx.concatenate([mx.full((blocks.shape[0], past), -1, blocks.dtype), blocks], axis=1)
                 same = (blocks[:, :, None] == kb[:, None, :]) & (blocks[:, :, None] >= 0)
                 masks[layer_type] = (((q >= k) | same) & (k > q - window))[:, None]
-            elif c is not None:
-                masks[layer_type] = c.make_mask(L, window_size=window, return_array=False)
-            elif L == 1:
-                masks[layer_type] = None
-            elif window is not None and L > window:
-                pos = mx.arange(L)
-                masks[layer_type] = (pos[:, None] >= pos[None]) & (pos[:, None] < pos[None] + window)
             else:
-                masks[layer_type] = "causal"
+                masks[layer_type] = create_attention_mask(h, c, window_size=window)
         return masks
 
     def __call__(
@@ -287,7 +264,7 @@ class TextModel(nn.Module):
         cache: list | None = None,
         inputs_embeds: mx.array | None = None,
         per_layer_token_inputs: mx.array | None = None,
-        masks: dict[str, Any] | None = None,
+        vision_blocks=None,
     ) -> mx.array:
         if inputs_embeds is None:
             inputs_embeds = self.embed(input_ids)
@@ -301,8 +278,7 @@ class TextModel(nn.Module):
             per_layer = self.per_layer_inputs(h, per_layer_token_inputs)
 
         offset = cache[0].offset if cache is not None else 0
-        if masks is None:
-            masks = self.make_masks(h.shape[1], cache, offset)
+        masks = self.make_masks(h, cache, offset, vision_blocks)
         kvs: list = [None] * len(self.layers)
         for i, layer in enumerate(self.layers):
             spec = layer.spec
@@ -316,7 +292,7 @@ class TextModel(nn.Module):
                 per_layer_input=per_layer[:, :, i, :] if per_layer is not None else None,
                 shared_kv=shared,
             )
-        return self.norm(h)
+        return ops.rms_norm(h, self.norm.weight, self.config.rms_norm_eps)
 
 
 __all__ = ["TextModel", "DecoderLayer", "Attention", "MLP", "Router", "Experts", "make_rope", "softcap", "FULL", "SLIDING"]

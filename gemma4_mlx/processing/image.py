@@ -3,6 +3,11 @@
 An image is resized (aspect ratio kept, bicubic through Pillow) to the largest size whose sides are
 multiples of 48 px and whose 16x16 patches fit ``9 * max_soft_tokens``; pixels go to [0, 1] and the
 patches are listed row-major with (x=col, y=row) positions, zero padded to the budget with (-1, -1).
+
+Why not call transformers' torch-free ``Gemma4ImageProcessorPil``: importing it imports transformers'
+image utilities, which import torchvision whenever it is installed (and fail outright where that
+torchvision does not match torch, see the README), it raises no error naming the input it could not
+read, and it leaves EXIF orientation to the caller. The math here is a few lines, tested equal to it.
 """
 
 from __future__ import annotations
@@ -14,8 +19,8 @@ from typing import Any
 import numpy as np
 from PIL import Image, ImageOps
 
-from .config import read_json_object
-from .errors import MediaError
+from ..config import read_json_object
+from ..errors import MediaError
 
 SUPPORTED_SOFT_TOKENS = (70, 140, 280, 560, 1120)
 _DECODE_ERRORS = (OSError, ValueError, SyntaxError, EOFError, Image.DecompressionBombError)

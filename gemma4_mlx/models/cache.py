@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from mlx_lm.models.cache import KVCache, RotatingKVCache
 
-from .config import TextConfig
+from ..config import TextConfig
 
 
 def make_cache(cfg: TextConfig) -> list:
@@ -24,12 +24,3 @@ def make_cache(cfg: TextConfig) -> list:
             continue
         caches.append(RotatingKVCache(max_size=cfg.sliding_window) if spec.is_sliding else KVCache())
     return caches
-
-
-def cache_offset(cache: list) -> int:
-    """Number of tokens the cache has seen (its position in the sequence)."""
-    return cache[0].offset if cache else 0
-
-
-def cache_nbytes(cache: list) -> int:
-    return sum(c.nbytes for c in cache)

@@ -1,15 +1,20 @@
-"""Checking generation options once, where they enter the library (``stream_generate``, ``ChatEngine``,
-``Chat`` and the command line), so that a bad value fails with the option's name and allowed range
-rather than deep inside MLX or, worse, silently (a NaN temperature samples garbage)."""
+"""Generation options: one dataclass for every entry point (``stream_generate``, ``ChatEngine``,
+``Chat``, the command line), checked once where they enter, so that a bad value fails with the
+option's name and allowed range rather than deep inside MLX or, worse, silently (a NaN temperature
+samples garbage); and the sampler and logits processors they make (mlx-lm's)."""
 
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 from numbers import Integral, Real
-from typing import Any
+from typing import Any, Callable
 
-from .errors import OptionError
-from .image_processing import SUPPORTED_SOFT_TOKENS
+import mlx.core as mx
+from mlx_lm.sample_utils import make_logits_processors, make_sampler
+
+from ..errors import OptionError
+from ..processing.image import SUPPORTED_SOFT_TOKENS
 
 MAX_SEED = 2**64 - 1  # mx.random.seed takes an unsigned 64-bit integer
 
@@ -58,3 +63,38 @@ def check_generation_options(
     _integer("prefill_step_size", prefill_step_size, 1)
     if max_soft_tokens is not None and max_soft_tokens not in SUPPORTED_SOFT_TOKENS:
         raise OptionError(f"max_soft_tokens (the image token budget) must be one of {SUPPORTED_SOFT_TOKENS} or None, not {max_soft_tokens!r}")
+
+
+@dataclass
+class GenerationOptions:
+    """How to generate: limits, sampling (greedy at ``temperature=0``, else mlx-lm's sampler with
+    top-p, top-k and min-p), the repetition penalty, the seed, thinking and the image token budget."""
+
+    max_tokens: int = 256
+    temperature: float = 0.0
+    top_p: float = 1.0
+    top_k: int = 0
+    min_p: float = 0.0
+    repetition_penalty: float | None = None
+    repetition_context_size: int = 20
+    seed: int | None = None
+    enable_thinking: bool = False
+    max_soft_tokens: int | None = None  # image token budget: 70, 140, 280 (default), 560, 1120
+    prefill_step_size: int = 2048
+    sampler: Callable[[mx.array], mx.array] | None = None  # replaces the one made from the options above
+    logits_processors: list[Callable] | None = None  # run after the repetition penalty
+
+    def __post_init__(self):
+        check_generation_options(
+            self.max_tokens, self.temperature, self.top_p, self.top_k, self.min_p, self.repetition_penalty,
+            self.repetition_context_size, self.seed, self.prefill_step_size, self.max_soft_tokens,
+        )  # fmt: skip
+
+    def make_sampler(self) -> Callable[[mx.array], mx.array]:
+        return self.sampler or make_sampler(temp=self.temperature, top_p=self.top_p, min_p=self.min_p, top_k=self.top_k)
+
+    def make_logits_processors(self) -> list[Callable]:
+        penalty = make_logits_processors(
+            repetition_penalty=self.repetition_penalty, repetition_context_size=self.repetition_context_size
+        )
+        return penalty + list(self.logits_processors or [])

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from .processing import published_chat_template
+from .processing.processor import published_chat_template
 
 # Special tokens at the ids the published Gemma 4 vocabulary uses.
 SPECIAL_TOKENS = {
@@ -140,7 +140,7 @@ def build_demo_checkpoint(folder: str | Path, seed: int = 0) -> Path:
     from mlx.utils import tree_flatten
 
     from .config import ModelConfig
-    from .model import Gemma4Model
+    from .models.gemma4 import Gemma4Model
 
     folder = Path(folder)
     folder.mkdir(parents=True, exist_ok=True)

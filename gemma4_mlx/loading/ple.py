@@ -20,7 +20,7 @@ from pathlib import Path
 import mlx.core as mx
 import numpy as np
 
-from .errors import CheckpointError
+from ..errors import CheckpointError
 
 # The names the table has in the layouts we load: HF multimodal, HF text-only, mlx-vlm / mlx-lm.
 PLE_KEYS = [
@@ -149,7 +149,6 @@ class MappedEmbedding:
         header, data_start = read_safetensors_header(self.path)
         self.weight = _MappedTensor(self.path, header, data_start, key)
         base = key[: -len(".weight")] if key.endswith(".weight") else None
-
         headers = {self.path: (header, data_start)}  # each file's header read once
 
         def find(name: str) -> _MappedTensor | None:
@@ -165,35 +164,7 @@ class MappedEmbedding:
         scales = find(f"{base}.scales") if base is not None else None
         self.quantized = scales is not None
         if self.quantized:
-            if self.weight.mx_dtype != mx.uint32:
-                raise ValueError(f"{key} in {self.path} has scales but is not packed uint32")
-            self.scales = scales
-            self.biases = find(f"{base}.biases")
-            if self.biases is None:
-                raise ValueError(f"{base} in {self.path} has no biases: only MLX's affine quantization can be mapped")
-            rows, packed = self.weight.shape
-            groups = self.scales.shape[1]
-            if self.scales.shape[0] != rows or self.biases.shape != self.scales.shape:
-                raise CheckpointError(f"{base} in {self.path}: weight, scales and biases do not match in shape")
-            if dims is None:
-                if bits is not None:
-                    dims = packed * 32 // bits
-                elif group_size is not None:
-                    dims = groups * group_size
-                else:
-                    raise ValueError(f"{base} is quantized: pass bits, group_size or dims")
-            if bits is None:
-                bits = packed * 32 // dims
-            if group_size is None:
-                group_size = dims // groups
-            if packed * 32 != dims * bits or groups * group_size != dims:
-                raise CheckpointError(
-                    f"{base} in {self.path}: packed shape {self.weight.shape} and scales {self.scales.shape} "
-                    f"do not fit {dims} dims at {bits} bits, group size {group_size}"
-                )
-            self.group_size, self.bits = group_size, bits
-            self.dtype = self.scales.mx_dtype
-            self.shape = (rows, dims)
+            self._init_quantized(base, scales, find(f"{base}.biases"), group_size, bits, dims)
         else:
             if self.weight.mx_dtype == mx.uint32:
                 raise ValueError(f"{key} in {self.path} is uint32 without scales: not an embedding table")
@@ -201,6 +172,35 @@ class MappedEmbedding:
                 raise CheckpointError(f"{key} in {self.path} has {self.weight.shape[1]} columns, expected {dims}")
             self.shape = self.weight.shape
             self.dtype = dtype if dtype is not None else self.weight.mx_dtype
+
+    def _init_quantized(self, base: str, scales, biases, group_size, bits, dims) -> None:
+        """An MLX affine-quantized table: check the three tensors agree, infer the missing settings."""
+        if self.weight.mx_dtype != mx.uint32:
+            raise ValueError(f"{self.key} in {self.path} has scales but is not packed uint32")
+        if biases is None:
+            raise ValueError(f"{base} in {self.path} has no biases: only MLX's affine quantization can be mapped")
+        self.scales, self.biases = scales, biases
+        rows, packed = self.weight.shape
+        groups = scales.shape[1]
+        if scales.shape[0] != rows or biases.shape != scales.shape:
+            raise CheckpointError(f"{base} in {self.path}: weight, scales and biases do not match in shape")
+        if dims is None:
+            if bits is not None:
+                dims = packed * 32 // bits
+            elif group_size is not None:
+                dims = groups * group_size
+            else:
+                raise ValueError(f"{base} is quantized: pass bits, group_size or dims")
+        bits = packed * 32 // dims if bits is None else bits
+        group_size = dims // groups if group_size is None else group_size
+        if packed * 32 != dims * bits or groups * group_size != dims:
+            raise CheckpointError(
+                f"{base} in {self.path}: packed shape {self.weight.shape} and scales {scales.shape} "
+                f"do not fit {dims} dims at {bits} bits, group size {group_size}"
+            )
+        self.group_size, self.bits = group_size, bits
+        self.dtype = scales.mx_dtype
+        self.shape = (rows, dims)
 
     @property
     def nbytes(self) -> int:

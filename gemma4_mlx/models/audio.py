@@ -18,7 +18,7 @@ import mlx.nn as nn
 import numpy as np
 from mlx.utils import tree_flatten
 
-from .config import split_known_keys
+from ..config import split_known_keys
 from .multimodal import ClippableLinear, MultimodalEmbedder
 
 _ACTIVATIONS = {"silu": nn.silu, "swish": nn.silu, "gelu": nn.gelu, "gelu_pytorch_tanh": nn.gelu_approx, "relu": nn.relu}
@@ -270,14 +270,11 @@ class AudioTower(nn.Module):
         return self.output_proj(x), mask
 
     def sanitize(self, weights: dict[str, Any]) -> dict[str, Any]:
-        """HF audio-tower tensors (keys relative to the tower; a leading ``model.audio_tower.`` is
-        stripped) -> this module's: conv kernels to MLX layout, recomputed buffers dropped."""
+        """The tower's checkpoint tensors (names relative to the tower) -> this module's: conv kernels
+        to MLX layout, recomputed buffers dropped."""
         own = dict(tree_flatten(self.parameters()))
         out = {}
         for k, v in weights.items():
-            for prefix in ("model.audio_tower.", "audio_tower."):
-                if k.startswith(prefix):
-                    k = k[len(prefix) :]
             if k.endswith(("rel_pos_enc.inv_timescales", "self_attn.softcap")):
                 continue  # non-persistent buffers, recomputed from the config
             if not self.config.use_clipped_linears and k.endswith(("input_min", "input_max", "output_min", "output_max")):

@@ -19,8 +19,9 @@ import mlx.core as mx
 import numpy as np
 from transformers.utils.chat_template_utils import _CONTROL_TOKEN_START, encode_marked_chat, mark_control_tokens
 
-from .config import ModelConfig, read_json_object
-from .errors import ConfigError, MediaError, TokenIdError
+from ..config import ModelConfig, read_json_object
+from ..errors import ConfigError, MediaError, TokenIdError
+from ..modalities import MODALITIES
 from .sources import resolve_source
 
 END_OF_TURN = "<turn|>"
@@ -67,15 +68,15 @@ class Processor:
             tokenizer._tokenizer.chat_template = published_chat_template(small=config.text_config.has_per_layer_inputs)
         image_processor = audio_extractor = video_processor = None
         if config.vision_config:
-            from .image_processing import ImageProcessor
-            from .video_processing import VideoProcessor
-            from .vision import VisionConfig
+            from .image import ImageProcessor
+            from .video import VideoProcessor
+            from ..models.vision import VisionConfig
 
             image_processor = ImageProcessor.from_pretrained(model_path)
             image_processor.position_table_size = VisionConfig.from_dict(config.vision_config).position_embedding_size
             video_processor = VideoProcessor.from_pretrained(model_path)
         if config.audio_config:
-            from .audio_processing import AudioFeatureExtractor
+            from .audio import AudioFeatureExtractor
 
             audio_extractor = AudioFeatureExtractor.from_pretrained(model_path)
         eos = _eos_token_ids(model_path, config, tokenizer)
@@ -246,8 +247,7 @@ class Processor:
 
     def _require(self, part, kind: str) -> None:
         if part is None:
-            tower = "audio" if kind == "audio" else "vision"
-            raise MediaError(f"this model has no {tower} tower: it cannot take {kind} input")
+            raise MediaError(MODALITIES[kind].unsupported())
 
     def _expand(self, text: str, expansions: dict[str, list[str]]) -> str:
         """Replace the n-th placeholder of each kind by the n-th expansion; counts must agree.
@@ -314,7 +314,7 @@ _EMPTY_CHANNEL = """    {%- if not enable_thinking | default(false) -%}
 def published_chat_template(small: bool = False) -> str:
     """The published Gemma 4 chat template: 26B/31B's, or with ``small`` E2B/E4B's. Used when a
     checkpoint has none."""
-    template = resources.files("gemma4_mlx").joinpath("templates/gemma4.jinja").read_text()
+    template = resources.files("gemma4_mlx.processing").joinpath("templates/gemma4.jinja").read_text()
     if small:
         if _EMPTY_CHANNEL not in template:
             raise RuntimeError("the bundled chat template changed: update _EMPTY_CHANNEL")
@@ -360,7 +360,6 @@ def _as_list(x) -> list:
     return [x]
 
 
-_MEDIA_KEYS = {"image": ("image", "url", "path"), "audio": ("audio", "url", "path"), "video": ("video", "url", "path")}
 
 
 def collect_media(messages: list[dict[str, Any]], downloads: contextlib.ExitStack) -> dict[str, list]:
@@ -374,7 +373,8 @@ def collect_media(messages: list[dict[str, Any]], downloads: contextlib.ExitStac
         for item in content:
             kind = item.get("type") if isinstance(item, dict) else None
             if kind in found:
-                source = next((item[k] for k in _MEDIA_KEYS[kind] if item.get(k) is not None), None)
+                # The data under the item's own type, a URL or a path (as transformers accepts).
+                source = next((item[k] for k in (kind, "url", "path") if item.get(k) is not None), None)
                 if source is None:
                     raise MediaError(f"a {kind} item has no data: give it an {kind!r}, 'url' or 'path' key")
                 found[kind].append(resolve_source(source, downloads))

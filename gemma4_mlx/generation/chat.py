@@ -17,27 +17,21 @@ import atexit
 import copy
 import queue
 import threading
-import time
 import weakref
 from collections import OrderedDict
 from dataclasses import dataclass, field
-from typing import Any, Callable, Iterator
+from typing import Any, Iterator
 
 import mlx.core as mx
 import numpy as np
-from mlx_lm.sample_utils import make_logits_processors, make_sampler
 
-from .generate import ContextLengthError, generate_tokens, generation_stream, prefill
-from .model import check_token_ids
-from .options import check_generation_options
+from ..modalities import MODALITIES
+from .decode import GENERATION_STREAM, generate_tokens
+from .options import GenerationOptions
+from .pipeline import Timing, prepare_request
 from .prompt_cache import PromptCache
 from .reply import Reply, ReplySplitter
 
-MEDIA_ARRAYS = {  # placeholder-token config field -> the processor outputs holding one row per item
-    "image_token_id": ("pixel_values", "image_position_ids"),
-    "video_token_id": ("pixel_values_videos", "video_position_ids"),
-    "audio_token_id": ("input_features", "input_features_mask"),
-}
 
 
 @dataclass
@@ -59,29 +53,14 @@ class ReplyStats:
 
 
 @dataclass
-class ReplyOptions:
-    """Options of :meth:`ChatEngine.stream` (and of :class:`Chat`)."""
+class ReplyOptions(GenerationOptions):
+    """Options of :meth:`ChatEngine.stream` (and of :class:`Chat`): the generation options, and
+    the chat's own."""
 
     max_tokens: int = 1024
-    temperature: float = 0.0  # 0: greedy; otherwise mlx-lm's sampler with the options below
-    top_p: float = 1.0
-    top_k: int = 0
-    min_p: float = 0.0
-    repetition_penalty: float | None = None
-    seed: int | None = None
-    enable_thinking: bool = False
     tools: list[dict] | None = None  # function declarations, rendered by the chat template
-    max_soft_tokens: int | None = None  # image token budget: 70, 140, 280 (default), 560, 1120
     reuse: bool = True  # False: prefill the whole conversation from a fresh cache
     stop_event: threading.Event | None = None
-    prefill_step_size: int = 2048
-    sampler: Callable[[mx.array], mx.array] | None = None  # replaces the one made from the options above
-
-    def __post_init__(self):
-        check_generation_options(
-            self.max_tokens, self.temperature, self.top_p, self.top_k, self.min_p, self.repetition_penalty,
-            seed=self.seed, prefill_step_size=self.prefill_step_size, max_soft_tokens=self.max_soft_tokens,
-        )  # fmt: skip
 
 
 @dataclass
@@ -182,89 +161,61 @@ class ChatEngine:
             worker.join(timeout)
 
     def _stream(self, messages: list[dict[str, Any]], o: "ReplyOptions") -> Iterator[ChatChunk]:
-        tic = time.perf_counter()
+        timing = Timing(prefilled=0)
         template = {"tools": o.tools} if o.tools else {}
-        inputs = self.processor.prepare(
-            messages, enable_thinking=o.enable_thinking, max_soft_tokens=o.max_soft_tokens, replies=self.replies, **template
-        )
-        ids = inputs.pop("input_ids")[0].tolist()
-        check_token_ids(self.model.text_token_ids(mx.array(ids)), self.model.text_config.vocab_size)
-        context = self.model.text_config.max_position_embeddings
-        if len(ids) >= context:
-            raise ContextLengthError(f"the conversation is {len(ids)} tokens long; the model's context is {context} tokens")
-        max_tokens = min(o.max_tokens, context - len(ids))
+        request = prepare_request(self.model, self.processor, messages, o, replies=self.replies, **template)
+        ids = request.ids
         # Snapshot points: where the last user turn and the generation prompt begin. Regenerating
         # or editing the last message rewinds to one of them, and so does the next turn when the
         # template renders the reply differently from how it was generated.
         turn_starts = [i for i, t in enumerate(ids) if t == self._turn_start_id]
-        snapshot_points = set(turn_starts[-2:])
-
         pc = self.prompt_cache
         if not o.reuse:
             pc.reset()
         try:
             start = pc.reuse(ids)
-            embeds = self._embed_new_part(ids, start, inputs)
-            if o.seed is not None:
-                mx.random.seed(o.seed)
-            sampler = o.sampler or make_sampler(temp=o.temperature, top_p=o.top_p, min_p=o.min_p, top_k=o.top_k)
-            processors = make_logits_processors(repetition_penalty=o.repetition_penalty)
-            mx.reset_peak_memory()
-            def check_stop(done: int, total: int) -> None:
-                if o.stop_event.is_set():
-                    raise _Stopped
-
-            with mx.stream(generation_stream()):
-                position = start
-                for end in sorted(p for p in snapshot_points | {len(ids) - 1} if p > position):
-                    # prefill() runs all but the last token it is given.
-                    part_embeds = None if embeds is None else embeds[position - start : end - start + 1]
-                    prefill(self.model, mx.array(ids[position : end + 1]), pc.cache, o.prefill_step_size, check_stop, part_embeds)
-                    position = end
-                    pc.ids = ids[:end]
-                    if end in snapshot_points:
-                        pc.snapshot()
-            last_embeds = None if embeds is None else embeds[len(ids) - 1 - start :]
-        except _Stopped:
-            # Stopped between prefill chunks: the cache holds whole chunks, still reusable.
-            pc.ids = ids[: pc.offset]
-            stats = ReplyStats(prompt_tokens=len(ids), reused_tokens=start, peak_memory=mx.get_peak_memory() / 1e9)
-            yield ChatChunk("", "answer", Reply(), stats, "stopped")
-            return
+            embeds = self._embed_new_part(ids, start, request.media)
+            with mx.stream(GENERATION_STREAM):
+                done = pc.extend(
+                    self.model, ids[: len(ids) - 1], embeds, request.vision_blocks, set(turn_starts[-2:]),
+                    o.prefill_step_size, stop=o.stop_event.is_set,
+                )  # fmt: skip
         except BaseException:
             pc.reset()  # a half-filled cache must not be reused
             raise
-        yield from self._decode(ids, start, last_embeds, max_tokens, sampler, processors, o.stop_event, tic)
+        timing.prefilled = len(ids) - start
+        stats = ReplyStats(prompt_tokens=len(ids), reused_tokens=start)
+        if not done:  # stopped between prefill chunks: the cache keeps whole chunks, still reusable
+            stats.peak_memory = timing.peak_memory
+            yield ChatChunk("", "answer", Reply(), stats, "stopped")
+            return
+        last_embeds = None if embeds is None else embeds[len(ids) - 1 - start :]
+        yield from self._decode(request, last_embeds, o.stop_event, timing, stats)
 
-    def _decode(self, ids, start, last_embeds, max_tokens, sampler, processors, stop_event, tic) -> Iterator[ChatChunk]:
-        pc = self.prompt_cache
+    def _decode(self, request, last_embeds, stop_event, timing, stats) -> Iterator[ChatChunk]:
+        ids, pc = request.ids, self.prompt_cache
         tool_response = self._tool_response_ids()
         eos = set(self.processor.eos_token_ids) | tool_response
         splitter = ReplySplitter(self.processor)
-        stats = ReplyStats(prompt_tokens=len(ids), reused_tokens=start)
         generated: list[int] = []
         tokens = generate_tokens(
-            self.model, mx.array(ids[-1:]), pc.cache, max_tokens, sampler, processors,
+            self.model, mx.array(ids[-1:]), pc.cache, request.max_tokens, request.sampler, request.logits_processors,
             inputs_embeds=last_embeds, history=mx.array(ids),
         )  # fmt: skip
         try:
-            for n, (token, _) in enumerate(tokens, start=1):
-                now = time.perf_counter()
-                if n == 1:
-                    gen_tic = now
-                    stats.time_to_first_token = now - tic
-                    stats.prompt_tps = (len(ids) - start) / stats.time_to_first_token
+            for token, _ in tokens:
+                timing.token()
                 generated.append(token)
-                stats.generation_tokens = n
-                stats.generation_tps = (n - 1) / (now - gen_tic) if n > 1 and now > gen_tic else 0.0
-                stats.peak_memory = mx.get_peak_memory() / 1e9
+                stats.time_to_first_token, stats.prompt_tps = timing.time_to_first_token, timing.prompt_tps
+                stats.generation_tokens, stats.generation_tps = timing.tokens, timing.generation_tps
+                stats.peak_memory = timing.peak_memory
                 finish = None
                 pieces = []
                 if token in eos:
                     finish = "tool_call" if token in tool_response or splitter.reply.tool_calls else "stop"
                 else:
                     pieces.append(splitter.add(token))
-                    if n == max_tokens:
+                    if timing.tokens == request.max_tokens:
                         finish = "length"
                     elif stop_event is not None and stop_event.is_set():
                         finish = "stopped"
@@ -280,7 +231,7 @@ class ChatEngine:
         finally:
             tokens.close()
             # The decode loop runs one step ahead: the cache holds the prompt and every token fed so far.
-            pc.ids = (ids + generated)[: pc.offset]
+            pc.advance(ids + generated)
 
     def _remember(self, splitter: ReplySplitter, keep: int = 2048) -> None:
         """Keep the ids of a finished reply's answer, keyed by its text (the ``keep`` latest texts).
@@ -294,21 +245,21 @@ class ChatEngine:
             while len(self.replies) > keep:
                 self.replies.popitem(last=False)
 
-    def _embed_new_part(self, ids: list[int], start: int, inputs: dict) -> mx.array | None:
+    def _embed_new_part(self, ids: list[int], start: int, media_inputs: dict) -> mx.array | None:
         """Embeddings of ``ids[start:]`` with the soft tokens of the media in that part (None when
         that part has no media); media before ``start`` are already in the cache and not encoded."""
         cfg = self.model.config
         tail = np.array(ids[start:])
         media = {}
-        for field_name, arrays in MEDIA_ARRAYS.items():
-            token_id = getattr(cfg, field_name, None)
-            if token_id is None or inputs.get(arrays[0]) is None or not (tail == token_id).any():
+        for modality in MODALITIES.values():
+            token_id, arrays = getattr(cfg, modality.token_field, None), modality.arrays
+            if token_id is None or media_inputs.get(arrays[0]) is None or not (tail == token_id).any():
                 continue
             # Items whose placeholder runs begin before `start` (never cut: the cache only rewinds
             # to message boundaries) are skipped; each item is one run of its placeholder token.
             done = _count_runs(np.array(ids[:start]) == token_id)
             for name in arrays:
-                media[name] = inputs[name][done:]
+                media[name] = media_inputs[name][done:]
         if not media:
             return None
         return self.model.embed_multimodal(mx.array(ids[start:]), **media)[0]
@@ -351,10 +302,6 @@ def _copy_reply(reply: Reply) -> Reply:
     return Reply(reply.thinking, reply.content, list(reply.tool_calls))
 
 
-class _Stopped(Exception):
-    """Raised between prefill chunks when the caller asked to stop."""
-
-
 @dataclass
 class _Failure:
     error: BaseException
@@ -390,7 +337,7 @@ class Chat:
     @classmethod
     def load(cls, path_or_repo: str, system: str | None = None, **options) -> "Chat":
         """Load a model (see :func:`gemma4_mlx.load`) and start a conversation with it."""
-        from .loading import load
+        from ..loading import load
 
         model, processor = load(path_or_repo)
         return cls(model, processor, system=system, **options)

@@ -1,0 +1,3 @@
+from .speed import main
+
+main()

@@ -1,0 +1,1 @@
+"""Generation: the request pipeline, the prefill and decode loop, streaming, and the chat engine."""

@@ -1,0 +1,120 @@
+"""Streaming generation for one prompt: ``stream_generate`` and ``generate``.
+
+mlx-lm's streaming detokenizers turn the tokens into text (they hold back incomplete UTF-8).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Callable, Generator
+
+import mlx.core as mx
+
+from .decode import generate_tokens
+from .options import GenerationOptions
+from .pipeline import Timing, prepare_request
+
+
+@dataclass
+class GenerationChunk:
+    """One step of :func:`stream_generate`."""
+
+    text: str  # new text since the previous chunk (may be empty while UTF-8 is incomplete)
+    token: int
+    finish_reason: str | None  # None while generating, then "stop" (end token) or "length"
+    prompt_tokens: int
+    prompt_tps: float
+    generation_tokens: int
+    generation_tps: float
+    peak_memory: float  # GB
+    logprobs: mx.array | None = None
+
+    def summary(self) -> str:
+        """One line of statistics (the command line prints it after the text)."""
+        return (
+            f"prompt: {self.prompt_tokens} tokens, {self.prompt_tps:.1f} tok/s | generation: {self.generation_tokens} "
+            f"tokens, {self.generation_tps:.1f} tok/s | peak memory {self.peak_memory:.2f} GB | finish: {self.finish_reason}"
+        )
+
+
+def stream_generate(
+    model,
+    processor,
+    prompt: str | list[dict[str, Any]] | list[int],
+    *,
+    cache: list | None = None,
+    prompt_progress: Callable[[int, int], Any] | None = None,
+    images=None,
+    audio=None,
+    videos=None,
+    **options,
+) -> Generator[GenerationChunk, None, None]:
+    """Generate text token by token.
+
+    ``prompt`` is a raw string (sent as is), a list of chat messages (rendered with the checkpoint's
+    chat template; their text is plain text) or a list of token ids. ``options`` are the fields of
+    :class:`~gemma4_mlx.generation.options.GenerationOptions`: ``max_tokens`` (256), ``temperature``
+    (0: greedy), ``top_p``, ``top_k``, ``min_p``, ``repetition_penalty``, ``repetition_context_size``,
+    ``seed``, ``enable_thinking``, ``max_soft_tokens`` (the image token budget), ``prefill_step_size``,
+    ``sampler`` and ``logits_processors``. Generation stops at the model's end tokens (``<eos>``,
+    ``<turn|>``) or after ``max_tokens``. Pass ``cache`` to continue from an earlier prompt (it is
+    updated in place); ``prompt_progress(done, total)`` is called after each prefill chunk.
+
+    Media come as ``{"type": "image" | "audio" | "video", ...}`` items of chat messages, or as
+    ``images``/``audio``/``videos`` lists matching the prompt's placeholders. The encoders run once,
+    before the prompt is prefilled.
+    """
+    opts = GenerationOptions(**options)
+    cached = cache[0].offset if cache else 0
+    request = prepare_request(model, processor, prompt, opts, cached, images, audio, videos)
+    ids = request.ids
+    inputs_embeds = model.embed_multimodal(mx.array(ids), **request.media)[0] if request.media else None
+    cache = cache if cache is not None else model.make_cache()
+    eos = processor.eos_token_ids
+    detokenizer = processor.detokenizer
+    detokenizer.reset()
+
+    timing = Timing(prefilled=len(ids))
+    tokens = generate_tokens(
+        model, mx.array(ids), cache, request.max_tokens, request.sampler, request.logits_processors,
+        opts.prefill_step_size, prompt_progress, inputs_embeds, vision_blocks=request.vision_blocks,
+    )  # fmt: skip
+    for tok, logprobs in tokens:
+        timing.token()
+        finish = None
+        if tok in eos:
+            finish = "stop"
+        else:
+            detokenizer.add_token(tok)
+            if timing.tokens == request.max_tokens:
+                finish = "length"
+        if finish:
+            detokenizer.finalize()
+        yield GenerationChunk(
+            text=detokenizer.last_segment,
+            token=tok,
+            finish_reason=finish,
+            prompt_tokens=len(ids),
+            prompt_tps=timing.prompt_tps,
+            generation_tokens=timing.tokens,
+            generation_tps=timing.generation_tps,
+            peak_memory=timing.peak_memory,
+            logprobs=logprobs,
+        )
+        if finish:
+            return
+
+
+def generate(model, processor, prompt, verbose: bool = False, **kwargs) -> str:
+    """Generate and return the whole text (see :func:`stream_generate` for the options)."""
+    text = []
+    last = None
+    for chunk in stream_generate(model, processor, prompt, **kwargs):
+        text.append(chunk.text)
+        last = chunk
+        if verbose:
+            print(chunk.text, end="", flush=True)
+    if verbose and last is not None:
+        print()
+        print(last.summary())
+    return "".join(text)

@@ -1,0 +1,36 @@
+"""The reference implementations of the ops: compositions of MLX's own ops (its fused ``mx.fast``
+kernels where they exist). They define what every faster implementation must compute."""
+
+from __future__ import annotations
+
+from functools import partial
+
+import mlx.core as mx
+import mlx.nn as nn
+
+
+def attention(q, k, v, scale, mask):
+    return mx.fast.scaled_dot_product_attention(q, k, v, scale=scale, mask=mask)
+
+
+def rms_norm(x, weight, eps):
+    return mx.fast.rms_norm(x, weight, eps)
+
+
+def add_rms_norm(residual, x, weight, eps, scalar):
+    out = residual + mx.fast.rms_norm(x, weight, eps)
+    return out if scalar is None else out * scalar
+
+
+def rope(x, offset, rope_module):
+    return rope_module(x, offset=offset)
+
+
+@partial(mx.compile, shapeless=True)
+def geglu(gate, up):
+    return nn.gelu_approx(gate) * up
+
+
+def moe_experts(x, indices, weights, switch_glu):
+    y = switch_glu(x, indices)
+    return (y * weights[..., None]).sum(axis=-2).astype(x.dtype)
