@@ -20,7 +20,6 @@ from typing import Callable
 
 import mlx.core as mx
 import mlx.nn as nn
-import mlx.nn as nn
 from mlx.utils import tree_flatten
 
 from gemma4_mlx.loading import load_config, load_model, resolve_model_path

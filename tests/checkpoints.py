@@ -20,6 +20,14 @@ import torch
 from gemma4_mlx.testing import media_token_ids, write_tokenizer
 
 VOCAB = 1024  # >= the tiny tokenizer's 721 tokens
+
+# Tiny towers: the small ViT (clipped linears) of E2B/E4B, the large one (standardize) of 26B/31B, audio.
+SMALL_VIT = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2,
+                 num_key_value_heads=2, head_dim=16, use_clipped_linears=True, position_embedding_size=128)  # fmt: skip
+LARGE_VIT = dict(hidden_size=48, intermediate_size=80, num_hidden_layers=2, num_attention_heads=4,
+                 num_key_value_heads=2, head_dim=12, standardize=True, position_embedding_size=128)  # fmt: skip
+AUDIO = dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, subsampling_conv_channels=[128, 4],
+             output_proj_dims=48)  # fmt: skip
 S, F = "sliding_attention", "full_attention"
 
 FAMILIES = {

@@ -1,13 +1,10 @@
 import os
-import sys
 from pathlib import Path
 
 import pytest
 
-sys.path.insert(0, str(Path(__file__).parent))
-
-import torchvision_guard  # noqa: E402 - first: before anything imports transformers' vision code
-from checkpoints import FAMILIES, build_hf_model, save_checkpoint  # noqa: E402
+import torchvision_guard  # first: before anything imports transformers' vision code
+from checkpoints import FAMILIES, build_hf_model, save_checkpoint
 
 if torchvision_guard.declared():  # the CLIs the tests launch import transformers too: the same guard there
     startup = str(Path(__file__).parent / "startup")
@@ -40,3 +37,14 @@ def family(request, tmp_path_factory):
 def e2b(tmp_path_factory):
     hf = build_hf_model("e2b")
     return Family("e2b", hf, save_checkpoint(hf, tmp_path_factory.mktemp("e2b_single")))
+
+
+@pytest.fixture(scope="module")
+def app_cache(tmp_path_factory):
+    """The app's cache (conversions, the page's storage secret) in a temporary folder."""
+    import app.backend
+
+    with pytest.MonkeyPatch.context() as mp:
+        folder = tmp_path_factory.mktemp("cache")
+        mp.setattr(app.backend, "CACHE_DIR", folder)
+        yield folder

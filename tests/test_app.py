@@ -12,6 +12,7 @@ import numpy as np
 import pytest
 import soundfile as sf
 from gradio_client import Client, handle_file
+from helpers import WEATHER, endless_replies, free_port, launch, scripted
 from PIL import Image
 
 from app.backend import (
@@ -27,31 +28,8 @@ from app.backend import (
     unsupported_media,
 )
 from app.ui import build_app
-from app.ui import launch as launch_app
 
-
-@pytest.fixture(scope="module", autouse=True)
-def cache_dir(tmp_path_factory):
-    """The app's cache (conversions, the page's storage secret) in a temporary folder."""
-    import app.backend
-
-    with pytest.MonkeyPatch.context() as mp:
-        folder = tmp_path_factory.mktemp("cache")
-        mp.setattr(app.backend, "CACHE_DIR", folder)
-        yield folder
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def launch(holder: ModelHolder, port: int | None = None):
-    app = build_app(holder)
-    port = port or free_port()
-    launch_app(app, server_name="127.0.0.1", server_port=port, prevent_thread_lock=True, quiet=True)
-    return app, f"http://127.0.0.1:{port}/"
+pytestmark = pytest.mark.usefixtures("app_cache")  # the app's cache in a temporary folder
 
 
 @pytest.fixture(scope="module")
@@ -137,23 +115,6 @@ def test_regenerate_gives_the_same_greedy_reply(client):
     again = client.predict(resend(history), "", 0.0, 0.95, 64, 10, False, 280, "", api_name="/regenerate")
     assert text(again[-2]) == answer
     assert len(again) == len(history)
-
-
-@contextlib.contextmanager
-def endless_replies(engine):
-    """Replies that only Stop (or max tokens) ends: the sampler never picks an end token."""
-    original = engine.stream
-    eos = list(engine.processor.eos_token_ids)
-
-    def never_ending(logprobs):
-        logprobs[..., eos] = -mx.inf
-        return mx.argmax(logprobs, axis=-1)
-
-    engine.stream = functools.partial(original, sampler=never_ending)
-    try:
-        yield
-    finally:
-        engine.stream = original
 
 
 def test_stop_mid_stream(demo_app, client):
@@ -426,14 +387,6 @@ def test_display_math_round_trips_exactly():
         assert from_display(to_display(text)) == text, repr(text)
 
 
-def scripted(engine, text, stream=None):
-    """``engine.stream`` (or ``stream``) writing ``text`` token by token, then ending the turn."""
-    processor = engine.processor
-    it = iter(processor.encode(text, add_special_tokens=False))
-    end = processor.tokenizer.convert_tokens_to_ids("<turn|>")
-    return functools.partial(stream or engine.stream, sampler=lambda logprobs: mx.array([next(it, end)]))
-
-
 @contextlib.contextmanager
 def recording(engine, reply_text=None):
     """Records the conversations the engine is asked to answer (and scripts its reply)."""
@@ -469,9 +422,6 @@ def test_replies_go_back_to_the_model_exactly(demo_app, client):
 
 
 # ---------------------------------------------------------------------------- tools
-WEATHER = {"name": "get_weather", "description": "Current weather", "parameters": {"type": "object", "properties": {"city": {"type": "string"}}}}
-
-
 def test_tool_definitions_in_either_form():
     from app.backend import ToolsError, parse_tools
 

@@ -10,14 +10,15 @@ import shutil
 import time
 
 import pytest
-from test_app import WEATHER, cache_dir, endless_replies, free_port, launch, scripted  # noqa: F401 (cache_dir: autouse fixture)
+from helpers import WEATHER, endless_replies, free_port, launch, scripted
 
 from app.backend import ModelHolder
 
 CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser")
-pytestmark = pytest.mark.skipif(
-    CHROMIUM is None, reason="needs a Chromium binary (Debian: apt install chromium; .ci/run installs it)"
-)
+pytestmark = [
+    pytest.mark.usefixtures("app_cache"),
+    pytest.mark.skipif(CHROMIUM is None, reason="needs a Chromium binary (Debian: apt install chromium; .ci/run installs it)"),
+]
 FLAGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
          "--disable-background-networking", "--disable-component-update", "--disable-sync"]  # fmt: skip
 

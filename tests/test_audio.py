@@ -15,6 +15,8 @@ from transformers.models.gemma4.feature_extraction_gemma4 import Gemma4AudioFeat
 from transformers.models.gemma4.modeling_gemma4 import Gemma4AudioModel, Gemma4MultimodalEmbedder
 from transformers.models.gemma4.processing_gemma4 import Gemma4Processor
 
+import helpers
+
 from gemma4_mlx.models.audio import AudioConfig, AudioTower, encode_audio
 from gemma4_mlx.processing.audio import AudioFeatureExtractor, load_audio
 from gemma4_mlx.errors import MediaError
@@ -31,8 +33,8 @@ def extractors():
     return AudioFeatureExtractor(), Gemma4AudioFeatureExtractor()
 
 
-def tone(n, rate=SR, freq=440.0, amp=0.3):
-    return (amp * np.sin(2 * np.pi * freq * np.arange(n) / rate)).astype(np.float32)
+def tone(n, rate=SR, freq=440.0, amp=0.3):  # by sample count here
+    return helpers.tone(n / rate, freq, rate, amp)
 
 
 def noise(n, seed=0, amp=0.1):

@@ -7,9 +7,8 @@ import mlx.core as mx
 import numpy as np
 import pytest
 import soundfile as sf
-from checkpoints import build_hf_model, save_checkpoint
+from checkpoints import AUDIO, LARGE_VIT, SMALL_VIT, build_hf_model, save_checkpoint
 from PIL import Image
-from test_multimodal import AUDIO, LARGE_VIT, SMALL_VIT
 
 import gemma4_mlx
 from gemma4_mlx.generation.chat import Chat, ChatEngine

@@ -8,7 +8,8 @@ import sys
 import mlx.core as mx
 import numpy as np
 import pytest
-from checkpoints import build_hf_model, dequantized_reference, save_checkpoint
+from checkpoints import AUDIO, SMALL_VIT, build_hf_model, dequantized_reference, save_checkpoint
+from helpers import rel_err
 from safetensors import safe_open
 
 import gemma4_mlx
@@ -33,10 +34,6 @@ def reference(src):
 def logits(path):
     model, _ = gemma4_mlx.load(path)
     return model, np.array(model(IDS).astype(mx.float32))
-
-
-def rel_err(a, b):
-    return float(np.abs(a - b).max() / np.abs(b).max())
 
 
 def tensors(path):
@@ -249,8 +246,6 @@ def test_command_line(src, tmp_path):
 
 @pytest.fixture(scope="module")
 def mm_src(tmp_path_factory):
-    from test_multimodal import AUDIO, SMALL_VIT
-
     hf = build_hf_model("e2b", vision_config=SMALL_VIT, audio_config=AUDIO, hidden_size_per_layer_input=32)
     return save_checkpoint(hf, tmp_path_factory.mktemp("e2b_mm_src"))
 

@@ -57,7 +57,8 @@ def no_stop(tokens, logits):
 
 
 @pytest.fixture(scope="module")
-def mp(e2b):
+def e2b_pair(e2b):
+    """(model, processor) of the text-only e2b family."""
     return e2b.model, e2b.processor
 
 
@@ -67,8 +68,8 @@ def tokens_of(chunks):
 
 # --------------------------------------------------------------------------- prompts and chunks
 @pytest.mark.parametrize("thinking", [False, True])
-def test_chat_messages_go_through_the_chat_template(mp, thinking):
-    model, processor = mp
+def test_chat_messages_go_through_the_chat_template(e2b_pair, thinking):
+    model, processor = e2b_pair
     rec = Recorder()
     list(stream_generate(model, processor, MESSAGES, max_tokens=2, enable_thinking=thinking, logits_processors=[rec]))
     prompt = rec.histories[0]
@@ -82,8 +83,8 @@ def test_chat_messages_go_through_the_chat_template(mp, thinking):
     assert text.endswith("<|turn>model\n" + ("" if thinking else EMPTY_THOUGHT))
 
 
-def test_enable_thinking_changes_the_prompt(mp):
-    model, processor = mp
+def test_enable_thinking_changes_the_prompt(e2b_pair):
+    model, processor = e2b_pair
     prompts = {}
     for thinking in (False, True):
         rec = Recorder()
@@ -94,8 +95,8 @@ def test_enable_thinking_changes_the_prompt(mp):
     assert "<|think|>" in prompts[True] and "<|think|>" not in prompts[False]
 
 
-def test_raw_string_and_id_prompts(mp):
-    model, processor = mp
+def test_raw_string_and_id_prompts(e2b_pair):
+    model, processor = e2b_pair
     rec = Recorder()
     list(stream_generate(model, processor, "hello world", max_tokens=1, logits_processors=[rec]))
     assert rec.histories[0] == [2] + processor.encode("hello world", add_special_tokens=False)
@@ -105,8 +106,8 @@ def test_raw_string_and_id_prompts(mp):
     assert rec.histories[0] == ids
 
 
-def test_chunks_carry_text_token_and_stats(mp):
-    model, processor = mp
+def test_chunks_carry_text_token_and_stats(e2b_pair):
+    model, processor = e2b_pair
     n = 6
     tic = time.perf_counter()
     chunks = list(stream_generate(model, processor, MESSAGES, max_tokens=n, logits_processors=[no_stop]))
@@ -128,8 +129,8 @@ def test_chunks_carry_text_token_and_stats(mp):
     assert chunks[0].generation_tps == 0.0 and chunks[-1].generation_tps >= (n - 1) / elapsed
 
 
-def test_generate_returns_the_concatenated_chunks(mp):
-    model, processor = mp
+def test_generate_returns_the_concatenated_chunks(e2b_pair):
+    model, processor = e2b_pair
     chunks = list(stream_generate(model, processor, MESSAGES, max_tokens=12))
     assert len(chunks) >= 1
     text = generate(model, processor, MESSAGES, max_tokens=12)
@@ -140,8 +141,8 @@ def test_generate_returns_the_concatenated_chunks(mp):
 # --------------------------------------------------------------------------- stopping
 @pytest.mark.parametrize("end", [END_OF_TURN, EOS])
 @pytest.mark.parametrize("at_step", [0, 2])
-def test_end_token_stops_without_its_text(mp, end, at_step):
-    model, processor = mp
+def test_end_token_stops_without_its_text(e2b_pair, end, at_step):
+    model, processor = e2b_pair
     assert end in processor.eos_token_ids
     words = processor.encode(" hello world the", add_special_tokens=False)[:at_step]
     script = words + [end]
@@ -177,8 +178,8 @@ def test_generation_config_eos_ids_stop_too(e2b, tmp_path):
 SAMPLE = dict(max_tokens=24, temperature=2.0, logits_processors=[no_stop])
 
 
-def test_same_seed_same_tokens_different_seed_different_tokens(mp):
-    model, processor = mp
+def test_same_seed_same_tokens_different_seed_different_tokens(e2b_pair):
+    model, processor = e2b_pair
     a = tokens_of(stream_generate(model, processor, "hello", seed=11, **SAMPLE))
     b = tokens_of(stream_generate(model, processor, "hello", seed=11, **SAMPLE))
     c = tokens_of(stream_generate(model, processor, "hello", seed=12, **SAMPLE))
@@ -190,8 +191,8 @@ def test_same_seed_same_tokens_different_seed_different_tokens(mp):
 
 
 @pytest.mark.parametrize("option", [dict(top_k=1), dict(top_p=1e-6), dict(min_p=1.0)])
-def test_truncating_samplers_down_to_one_token_equal_greedy(mp, option):
-    model, processor = mp
+def test_truncating_samplers_down_to_one_token_equal_greedy(e2b_pair, option):
+    model, processor = e2b_pair
     greedy = tokens_of(stream_generate(model, processor, MESSAGES, max_tokens=16, logits_processors=[no_stop]))
     sampled = tokens_of(stream_generate(model, processor, MESSAGES, seed=3, **dict(SAMPLE, max_tokens=16), **option))
     assert sampled == greedy
@@ -208,8 +209,8 @@ def _repeats_within(tokens, prompt, window):
     return out
 
 
-def test_repetition_penalty_stops_greedy_repeats(mp):
-    model, processor = mp
+def test_repetition_penalty_stops_greedy_repeats(e2b_pair):
+    model, processor = e2b_pair
     prompt = [2] + processor.encode("hello world", add_special_tokens=False)
     greedy = tokens_of(stream_generate(model, processor, prompt, max_tokens=24, logits_processors=[no_stop]))
     assert _repeats_within(greedy, prompt, 64), "precondition: the tiny model repeats itself when greedy"
@@ -233,8 +234,8 @@ def test_repetition_penalty_stops_greedy_repeats(mp):
 
 # --------------------------------------------------------------------------- streaming detokenizer
 @pytest.mark.parametrize("text", ["日本 ✓", "café 😀 ok", " spaced ünïcödé"])
-def test_streaming_never_emits_broken_utf8(mp, text):
-    model, processor = mp
+def test_streaming_never_emits_broken_utf8(e2b_pair, text):
+    model, processor = e2b_pair
     ids = processor.encode(text, add_special_tokens=False)
     assert any(processor.tokenizer.convert_ids_to_tokens(i).startswith("<0x") for i in ids), "byte-fallback tokens expected"
     chunks = list(stream_generate(model, processor, "hi", max_tokens=len(ids) + 5, logits_processors=[forcing(ids + [END_OF_TURN])]))
@@ -309,10 +310,10 @@ BAD_OPTIONS = [
 
 
 @pytest.mark.parametrize("option, message", BAD_OPTIONS, ids=[next(iter(o)) + "=" + repr(next(iter(o.values()))) for o, _ in BAD_OPTIONS])
-def test_bad_options_are_refused_at_every_entry_point(mp, option, message):
+def test_bad_options_are_refused_at_every_entry_point(e2b_pair, option, message):
     from gemma4_mlx import Chat, ChatEngine, OptionError
 
-    model, processor = mp
+    model, processor = e2b_pair
     messages = [{"role": "user", "content": "hi"}]
     with pytest.raises(OptionError, match=message):
         next(stream_generate(model, processor, messages, **option))

@@ -11,13 +11,13 @@ import shutil
 from pathlib import Path
 
 import mlx.core as mx
-import numpy as np
 import pytest
 import torch
 from mlx.utils import tree_flatten
 
 import gemma4_mlx
 from checkpoints import FAMILIES, build_hf_model, save_checkpoint, text_config, to_published_form
+from helpers import hf_logits, random_ids, rel_err
 from gemma4_mlx.errors import ConfigError
 from gemma4_mlx.testing import media_token_ids
 
@@ -25,20 +25,6 @@ S, F = "sliding_attention", "full_attention"
 
 
 # --------------------------------------------------------------------------- helpers
-def rel_err(ours, ref) -> float:
-    ref = np.asarray(ref, dtype=np.float64)
-    return float(np.abs(np.asarray(ours.astype(mx.float32), dtype=np.float64) - ref).max() / np.abs(ref).max())
-
-
-def random_ids(n, seed=0, vocab=1024):
-    return torch.randint(0, vocab, (1, n), generator=torch.Generator().manual_seed(seed))
-
-
-def hf_logits(hf, ids):
-    with torch.no_grad():
-        return hf(ids).logits.float().numpy()
-
-
 def snapshot(folder: Path) -> dict[str, str]:
     """Every entry under ``folder`` with the hash of its bytes (directories marked as such)."""
     out = {}

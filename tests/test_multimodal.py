@@ -6,30 +6,12 @@ import mlx.core as mx
 import numpy as np
 import pytest
 import torch
-from checkpoints import build_hf_model, save_checkpoint
-from PIL import Image
+from checkpoints import AUDIO, LARGE_VIT, SMALL_VIT, build_hf_model, save_checkpoint
+from helpers import messages_with, random_image, rel_err, to_torch, tone
 
 import gemma4_mlx
 from gemma4_mlx.generation.decode import prefill
 from gemma4_mlx.errors import MediaError
-
-SMALL_VIT = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2,
-                 num_key_value_heads=2, head_dim=16, use_clipped_linears=True, position_embedding_size=128)  # fmt: skip
-LARGE_VIT = dict(hidden_size=48, intermediate_size=80, num_hidden_layers=2, num_attention_heads=4,
-                 num_key_value_heads=2, head_dim=12, standardize=True, position_embedding_size=128)  # fmt: skip
-AUDIO = dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, subsampling_conv_channels=[128, 4],
-             output_proj_dims=48)  # fmt: skip
-
-
-def image(h, w, seed):
-    rng = np.random.default_rng(seed)
-    return Image.fromarray(rng.integers(0, 256, (h, w, 3), dtype=np.uint8))
-
-
-def tone(seconds, freq=440.0):
-    t = np.arange(int(16000 * seconds)) / 16000
-    return (0.3 * np.sin(2 * np.pi * freq * t)).astype(np.float32)
-
 
 class MM:
     def __init__(self, family, tmp, **towers):
@@ -51,34 +33,11 @@ def moe_mm(tmp_path_factory):
     return MM("moe26b", tmp_path_factory.mktemp("moe_mm"), vision_config=LARGE_VIT)
 
 
-def to_torch(inputs):
-    out = {}
-    for k, v in inputs.items():
-        a = np.array(v)
-        out[k] = torch.from_numpy(a.astype(np.int64) if a.dtype.kind in "iu" else a)
-    ids = out["input_ids"]
-    cfg = gemma4_mlx.testing.media_token_ids()
-    types = torch.zeros_like(ids)
-    types[ids == cfg["image_token_id"]] = 1
-    types[ids == cfg["video_token_id"]] = 2
-    types[ids == cfg["audio_token_id"]] = 3
-    out["mm_token_type_ids"] = types
-    return out
-
-
-def rel_err(a, b):
-    return float(np.abs(np.asarray(a, np.float64) - b).max() / np.abs(b).max())
-
-
-def messages_with(*items, text="Describe these."):
-    return [{"role": "user", "content": [*items, {"type": "text", "text": text}]}]
-
-
 def test_e2b_image_and_audio_logits_match_hf(e2b_mm):
     msgs = messages_with(
-        {"type": "image", "image": image(120, 90, 0)},
+        {"type": "image", "image": random_image(120, 90, 0)},
         {"type": "audio", "audio": tone(0.6)},
-        {"type": "image", "image": image(40, 200, 1)},
+        {"type": "image", "image": random_image(40, 200, 1)},
     )
     inputs = e2b_mm.processor.prepare(msgs, max_soft_tokens=70)
     ids = np.array(inputs["input_ids"])
@@ -90,7 +49,7 @@ def test_e2b_image_and_audio_logits_match_hf(e2b_mm):
 
 
 def test_moe_bidirectional_image_logits_match_hf(moe_mm):
-    msgs = messages_with({"type": "image", "image": image(64, 64, 2)}, {"type": "image", "image": image(90, 30, 3)})
+    msgs = messages_with({"type": "image", "image": random_image(64, 64, 2)}, {"type": "image", "image": random_image(90, 30, 3)})
     inputs = moe_mm.processor.prepare(msgs, max_soft_tokens=70)
     with torch.no_grad():
         ref = moe_mm.hf(**to_torch(inputs)).logits.numpy()
@@ -102,7 +61,7 @@ def test_moe_bidirectional_image_logits_match_hf(moe_mm):
 @pytest.mark.parametrize("fixture", ["e2b_mm", "moe_mm"])
 def test_cached_decoding_after_multimodal_prompt_matches_full_forward(fixture, request):
     mm = request.getfixturevalue(fixture)
-    items = [{"type": "image", "image": image(70, 100, 4)}]
+    items = [{"type": "image", "image": random_image(70, 100, 4)}]
     if mm.model.has_audio:
         items.append({"type": "audio", "audio": tone(0.4, 300)})
     inputs = mm.processor.prepare(messages_with(*items))
@@ -128,7 +87,7 @@ def test_generation_with_media_runs_encoders_once(e2b_mm, monkeypatch):
     calls = []
     original = e2b_mm.model.embed_multimodal
     monkeypatch.setattr(e2b_mm.model, "embed_multimodal", lambda *a, **k: calls.append(1) or original(*a, **k))
-    msgs = messages_with({"type": "image", "image": image(50, 50, 5)}, {"type": "audio", "audio": tone(0.3)})
+    msgs = messages_with({"type": "image", "image": random_image(50, 50, 5)}, {"type": "audio", "audio": tone(0.3)})
     chunks = list(gemma4_mlx.stream_generate(e2b_mm.model, e2b_mm.processor, msgs, max_tokens=6))
     assert len(chunks) >= 1 and len(calls) == 1
     # Same greedy tokens as a plain full forward step by step would pick first.
@@ -139,7 +98,7 @@ def test_generation_with_media_runs_encoders_once(e2b_mm, monkeypatch):
 
 def test_processor_expands_placeholders(e2b_mm):
     p = e2b_mm.processor
-    out = p(f"a {p.image_token} b {p.audio_token} c", images=[image(48, 48, 6)], audio=[tone(1.0)], max_soft_tokens=70)
+    out = p(f"a {p.image_token} b {p.audio_token} c", images=[random_image(48, 48, 6)], audio=[tone(1.0)], max_soft_tokens=70)
     ids = np.array(out["input_ids"])[0]
     cfg = e2b_mm.model.config
     n_img = int((ids == cfg.image_token_id).sum())
@@ -178,9 +137,9 @@ def test_bad_multimodal_input(e2b_mm, moe_mm, tmp_path):
         moe_mm.processor.prepare(messages_with({"type": "audio", "audio": tone(0.5)}))
     p = e2b_mm.processor
     with pytest.raises(MediaError, match="2 image placeholder"):
-        p(f"{p.image_token} {p.image_token}", images=[image(30, 30, 7)])
+        p(f"{p.image_token} {p.image_token}", images=[random_image(30, 30, 7)])
     with pytest.raises(MediaError, match="0 image placeholder"):
-        p("no placeholder", images=[image(30, 30, 7)])
+        p("no placeholder", images=[random_image(30, 30, 7)])
     bad = tmp_path / "broken.png"
     bad.write_bytes(b"not an image at all")
     with pytest.raises(MediaError, match="broken.png"):
@@ -188,8 +147,8 @@ def test_bad_multimodal_input(e2b_mm, moe_mm, tmp_path):
     # An image too elongated for the vision tower's position table (128 entries here) is named.
     table = e2b_mm.model.vision_tower.config.position_embedding_size
     with pytest.raises(MediaError, match=rf"image 2 \(4000x2 px\) is too elongated .* positions for {table}"):
-        p.prepare(messages_with({"type": "image", "image": image(30, 30, 7)}, {"type": "image", "image": np.zeros((2, 4000, 3), np.uint8)}))
-    ids = p(f"x {p.image_token}", images=[image(30, 30, 8)])["input_ids"]
+        p.prepare(messages_with({"type": "image", "image": random_image(30, 30, 7)}, {"type": "image", "image": np.zeros((2, 4000, 3), np.uint8)}))
+    ids = p(f"x {p.image_token}", images=[random_image(30, 30, 8)])["input_ids"]
     # model(ids) alone treats placeholders as padding, as transformers does; merging media checks them.
     with pytest.raises(MediaError, match="no image input"):
         e2b_mm.model.embed_multimodal(ids, input_features=mx.zeros((1, 200, 128)), input_features_mask=mx.ones((1, 200)))
@@ -200,7 +159,7 @@ def test_cli_takes_an_image(e2b_mm, tmp_path):
     import sys
 
     img = tmp_path / "pic.png"
-    image(60, 80, 9).save(img)
+    random_image(60, 80, 9).save(img)
     run = subprocess.run(
         [sys.executable, "-m", "gemma4_mlx", "--model", str(e2b_mm.path), "--prompt", "what is this?",
          "--image", str(img), "--image-tokens", "70", "--max-tokens", "3"],
@@ -217,7 +176,7 @@ def test_cli_takes_an_image(e2b_mm, tmp_path):
 
 def test_file_urls_in_messages(e2b_mm, tmp_path):
     img = tmp_path / "u.png"
-    image(40, 40, 10).save(img)
+    random_image(40, 40, 10).save(img)
     by_url = e2b_mm.processor.prepare(messages_with({"type": "image", "url": img.as_uri()}))
     by_path = e2b_mm.processor.prepare(messages_with({"type": "image", "path": str(img)}))
     assert np.array_equal(np.array(by_url["pixel_values"]), np.array(by_path["pixel_values"]))
@@ -244,7 +203,7 @@ def test_processor_matches_hf_gemma4_processor(e2b_mm, budget, monkeypatch):
                     audio_token=p.audio_token, boa_token=p.boa_token, eoa_token=p.eoa_token)  # fmt: skip
     tok = AutoTokenizer.from_pretrained(str(e2b_mm.path), extra_special_tokens=specials)
     hf = Gemma4Processor(Gemma4AudioFeatureExtractor(), Gemma4ImageProcessorPil(), tok, None)
-    images = [image(300, 200, 11), image(17, 500, 12)]
+    images = [random_image(300, 200, 11), random_image(17, 500, 12)]
     # The thin image spans more patches than the tiny tower's 128 positions, which our processor
     # refuses (test_bad_multimodal_input); transformers' processor does not know the tower's table.
     monkeypatch.setattr(p.image_processor, "position_table_size", None)
@@ -295,7 +254,7 @@ def test_http_media_are_bounded_and_never_left_behind(e2b_mm, tmp_path, http_ser
     leftovers = lambda: sorted(Path(tempfile.gettempdir()).glob("gemma4-media-*"))  # noqa: E731
     before = leftovers()
     img = tmp_path / "pic.png"
-    image(40, 40, 10).save(img)
+    random_image(40, 40, 10).save(img)
     p = e2b_mm.processor
     by_url = p.prepare(messages_with({"type": "image", "url": f"{http_server}/pic.png"}))
     by_path = p.prepare(messages_with({"type": "image", "path": str(img)}))

@@ -5,22 +5,11 @@ import numpy as np
 import pytest
 import torch
 
+from helpers import hf_logits, random_ids, rel_err
+
 import gemma4_mlx
 
 SEQ = 40  # five sliding windows of the e2b/moe26b families, 2.5 of dense31b
-
-
-def rel_err(ours, ref) -> float:
-    return float(np.abs(np.asarray(ours, dtype=np.float64) - ref).max() / np.abs(ref).max())
-
-
-def random_ids(n, seed=0, vocab=1024):
-    return torch.randint(0, vocab, (1, n), generator=torch.Generator().manual_seed(seed))
-
-
-def hf_logits(hf, ids):
-    with torch.no_grad():
-        return hf(ids).logits.float().numpy()
 
 
 def test_full_forward_matches_hf(family):

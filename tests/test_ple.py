@@ -11,15 +11,13 @@ import pytest
 import torch
 from mlx.utils import tree_flatten
 
+from helpers import random_ids
+
 import gemma4_mlx
 from checkpoints import build_hf_model, save_checkpoint
 from gemma4_mlx.loading.ple import MappedEmbedding, map_ple_table
 
 PLE = "embed_tokens_per_layer"
-
-
-def random_ids(n, seed=0, vocab=1024):
-    return torch.randint(0, vocab, (1, n), generator=torch.Generator().manual_seed(seed)).numpy()
 
 
 @pytest.fixture(scope="module", params=["float32", "bfloat16"])

@@ -15,6 +15,8 @@ from transformers import Gemma4Config, Gemma4Model
 from transformers.models.gemma4.configuration_gemma4 import Gemma4VisionConfig
 from transformers.models.gemma4.image_processing_pil_gemma4 import Gemma4ImageProcessorPil
 
+from helpers import rel_err
+
 from gemma4_mlx.processing.image import SUPPORTED_SOFT_TOKENS, ImageProcessor, load_image
 from gemma4_mlx.errors import MediaError
 from gemma4_mlx.models.multimodal import MultimodalEmbedder
@@ -269,12 +271,6 @@ def load_ours(hf: Gemma4Model) -> tuple[VisionTower, MultimodalEmbedder]:
     projection = state["embed_vision.embedding_projection.weight"]
     embedder.load_weights([("embedding_projection.weight", projection)], strict=True)
     return tower, embedder
-
-
-def rel_err(ours: mx.array, ref: torch.Tensor) -> float:
-    a, b = np.array(ours.astype(mx.float32)), ref.float().numpy()
-    assert a.shape == b.shape, (a.shape, b.shape)
-    return float(np.abs(a - b).max() / np.abs(b).max())
 
 
 @pytest.fixture(scope="module", params=sorted(FAMILIES))

@@ -14,12 +14,11 @@ from __future__ import annotations
 
 import argparse
 import tempfile
-import time
 from pathlib import Path
 
 import mlx.core as mx
 
-from ..variants import VARIANTS, variant_config
+from ..variants import VARIANTS
 from .speed import CPU_LAYERS, build_pair
 from ..generation.chat import ChatEngine
 from ..config import ModelConfig
