@@ -134,6 +134,9 @@ def _check_options(dtype: str, bits: int, group_size: int, mode: str, recipe: st
 
 
 def _shards(weights: dict[str, mx.array], max_bytes: int) -> list[dict[str, mx.array]]:
+    """Tensors in name order, cut into shards of at most ``max_bytes`` (one tensor may exceed it).
+    Not mlx-lm's ``make_shards``: it takes whole GiB (an int shifted by 30), where ``--max-shard-gb``
+    is a fraction of GB, and it keeps the caller's order (ours is sorted, so shards are reproducible)."""
     shards, current, size = [], {}, 0
     for k in sorted(weights):
         v = weights[k]
@@ -243,18 +246,7 @@ def convert(
         progress(f"removed {stale.name}, left by an interrupted conversion")
     tmp = _temporary_sibling(out, "partial")
     try:
-        total = write_shards(tmp, weights, int(max_shard_gb * 1e9), progress)
-        config = json.loads((src / "config.json").read_text())
-        config.pop("quantization_config", None)
-        config.pop("quantization", None)
-        if plan is not None:
-            config["quantization"] = plan.config()
-        config["mlx_dtype"] = dtype  # also marks the folder as ours, for a later --force
-        (tmp / "config.json").write_text(json.dumps(config, indent=2))
-        for name in SIDE_FILES:
-            if (src / name).exists():
-                shutil.copy2(src / name, tmp / name)
-        (tmp / "README.md").write_text(_model_card(str(hf_path), config, plan, dtype, total))
+        total = _write_folder(tmp, src, str(hf_path), weights, plan, dtype, int(max_shard_gb * 1e9), progress)
         _replace(out, tmp, force)
     except BaseException as e:
         shutil.rmtree(tmp, ignore_errors=True)
@@ -265,6 +257,24 @@ def convert(
         raise ConversionError(f"conversion to {out} failed, nothing was written: {e}") from e
     progress(f"wrote {out} ({total / 1e9:.2f} GB)")
     return out
+
+
+def _write_folder(folder: Path, src: Path, source: str, weights: dict, plan, dtype: str, max_bytes: int, progress) -> int:
+    """Everything a converted folder holds: shards, config.json (with the quantization plan), the
+    source's tokenizer and processor files, and a model card. Returns the tensor bytes written."""
+    total = write_shards(folder, weights, max_bytes, progress)
+    config = json.loads((src / "config.json").read_text())
+    config.pop("quantization_config", None)
+    config.pop("quantization", None)
+    if plan is not None:
+        config["quantization"] = plan.config()
+    config["mlx_dtype"] = dtype  # also marks the folder as ours, for a later --force
+    (folder / "config.json").write_text(json.dumps(config, indent=2))
+    for name in SIDE_FILES:
+        if (src / name).exists():
+            shutil.copy2(src / name, folder / name)
+    (folder / "README.md").write_text(_model_card(source, config, plan, dtype, total))
+    return total
 
 
 def _replace(out: Path, new: Path, force: bool) -> None:

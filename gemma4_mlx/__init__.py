@@ -6,9 +6,10 @@
         print(chunk.text, end="", flush=True)
 """
 
-from .generation.chat import Chat, ChatEngine, ReplyOptions
 from .config import LayerSpec, ModelConfig, TextConfig
 from .errors import CheckpointError, ConfigError, ContextLengthError, MediaError, OptionError, TokenIdError, UnsupportedModelError
+from .generation.chat import Chat, ChatEngine, ReplyOptions
+from .generation.options import GenerationOptions
 from .generation.stream import GenerationChunk, generate, stream_generate
 from .loading import load, load_model
 from .models.gemma4 import Gemma4Model
@@ -21,6 +22,7 @@ __all__ = [
     "Chat",
     "ChatEngine",
     "ReplyOptions",
+    "GenerationOptions",
     "load_model",
     "generate",
     "stream_generate",

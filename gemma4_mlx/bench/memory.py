@@ -39,12 +39,13 @@ def write_checkpoint(folder: str | Path, variant: str = "e2b", bits: int = 4, gr
     """A random, quantized ``gemma4_text`` folder with the variant's real shapes (or the text config
     ``text``), in mlx-lm's layout (``model.*`` names, per-module quantization overrides keyed alike),
     with the tiny tokenizer padded to the vocabulary."""
-    from convert.converter import QuantizationPlan, quantize_model, write_shards
+    from convert.converter import write_shards
 
-    from ..variants import variant_config
     from ..config import ModelConfig
+    from ..loading.quantization import QuantizationPlan, quantize_model
     from ..models.gemma4 import Gemma4Model
     from ..testing import write_tokenizer
+    from ..variants import variant_config
 
     folder = Path(folder)
     folder.mkdir(parents=True, exist_ok=True)

@@ -16,6 +16,7 @@ from __future__ import annotations
 import argparse
 import gc
 import time
+import warnings
 from dataclasses import dataclass
 
 import mlx.core as mx
@@ -43,7 +44,9 @@ def build_pair(name: str, layers: int | None, bits: int | None, dtype=mx.bfloat1
     if bits:  # the converter's rules (8-bit router and PLE table), on both module trees
         quantize_model(ours, QuantizationPlan(bits, 64, "affine"))
         quantize_model(theirs, QuantizationPlan(bits, 64, "affine"))
-    adapt_to_device(ours)  # float32 experts on a CPU; theirs get the very same arrays below
+    with warnings.catch_warnings():  # the CPU's float32 experts are expected here: theirs get the same arrays below
+        warnings.simplefilter("ignore")
+        adapt_to_device(ours)
     mx.eval(ours.parameters())
     # Our tree is language_model.*, theirs model.*; everything else is named alike.
     weights = [("model." + k.removeprefix("language_model."), v) for k, v in tree_flatten(ours.parameters())]
