@@ -186,7 +186,7 @@ def test_truncated_table_in_a_checkpoint(e2b_checkpoint, tmp_path):
     shutil.copytree(e2b_checkpoint, folder)
     f = folder / "model.safetensors"
     mapped = map_ple_table([f], [f"model.language_model.{PLE}.weight"])
-    cut = mapped.weight.array.offset + 10
+    cut = mapped.weight.offset + 10
     del mapped
     f.write_bytes(f.read_bytes()[:cut])
     with pytest.raises(gemma4_mlx.CheckpointError, match="truncated"):

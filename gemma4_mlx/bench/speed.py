@@ -33,11 +33,14 @@ from ..variants import VARIANTS, variant_config
 CPU_LAYERS = {"e2b": 10, "e4b": 12, "26b-a4b": 2, "31b": 2}
 
 
-def build_pair(name: str, layers: int | None, bits: int | None, dtype=mx.bfloat16, vocab_size: int = 262_144):
-    """Our model and mlx-lm's gemma4_text model sharing the same random weights."""
+def build_pair(name: str, layers: int | None, bits: int | None, dtype=mx.bfloat16, vocab_size: int = 262_144, edit=None):
+    """Our model and mlx-lm's gemma4_text model sharing the same random weights (``edit`` changes
+    the text config first, e.g. :func:`gemma4_mlx.bench.step.narrow`)."""
     from mlx_lm.models import gemma4_text
 
     text = variant_config(name, layers, vocab_size)
+    if edit is not None:
+        text = edit(text)
     ours = Gemma4Model(ModelConfig.from_dict({"model_type": "gemma4_text", **text}))
     ours.set_dtype(dtype)
     theirs = gemma4_text.Model(gemma4_text.ModelArgs.from_dict({"model_type": "gemma4_text", **text}))

@@ -2,8 +2,16 @@
 
 The E2B/E4B PLE table ``embed_tokens_per_layer`` is ``262144 x (layers * 256)``: 4.7 GB for E2B in
 bf16, more than the rest of the model. Each token only ever needs its own row, so the table stays in
-the checkpoint file: :class:`MappedEmbedding` maps the tensor's bytes with ``numpy.memmap`` and
-gathers the rows of the tokens being processed. Only the pages of those rows are ever read.
+the checkpoint file and :class:`MappedEmbedding` gathers the rows of the tokens being processed.
+Two ways, same values:
+
+* where the backend can wrap host memory without a copy (Metal), the file is memory-mapped and the
+  device gathers the rows itself: the lookup needs no host sync, so the decode loop stays pipelined
+  (the next step's graph is built while the device computes the current token);
+* elsewhere (CPU, CUDA) the host reads the rows with one ``pread`` per run of rows, which needs the
+  token ids on the host: the one sync of a decode step, before its graph is built.
+
+Only the rows of the tokens seen are ever read.
 
 It stands in for ``nn.Embedding`` (or ``nn.QuantizedEmbedding`` for an MLX-quantized table) in
 :meth:`gemma4_mlx.text.TextModel.per_layer_token_inputs` and returns exactly the same values; it is
@@ -13,7 +21,7 @@ not an MLX module, so ``model.parameters()`` and ``load_weights`` never see the 
 from __future__ import annotations
 
 import json
-import mmap
+import os
 import struct
 from pathlib import Path
 
@@ -38,7 +46,6 @@ _DTYPES = {
     "U32": (np.uint32, mx.uint32),  # packed quantized weights
 }
 
-_DONTNEED = getattr(mmap, "MADV_DONTNEED", None)
 _MAX_HEADER = 100_000_000  # the safetensors format's own limit
 
 
@@ -64,8 +71,17 @@ def read_safetensors_header(path: Path) -> tuple[dict, int]:
     return header, 8 + n
 
 
+def wrap_host_memory(buffer: np.ndarray) -> mx.array:
+    """``buffer`` as an MLX array without a copy (raises ValueError where the backend cannot)."""
+    return mx.asarray(buffer, copy=False)
+
+
 class _MappedTensor:
-    """One 2-D tensor of a safetensors file, as a read-only numpy memmap."""
+    """One 2-D tensor of a safetensors file, read a row at a time with ``os.pread``.
+
+    Reading (rather than memory-mapping) keeps nothing of the file in the process: the rows read
+    stay in the OS page cache, not in resident memory, and no page-table clean-up is needed after a
+    read (unmapping pages of a multi-GB mapping per token cost milliseconds)."""
 
     def __init__(self, path: Path, header: dict, data_start: int, key: str):
         info = header.get(key)
@@ -81,7 +97,8 @@ class _MappedTensor:
             raise CheckpointError(f"{key} in {path} has shape {tuple(shape)}; a table must be 2-D")
         self.np_dtype, self.mx_dtype = _DTYPES[dtype]
         self.shape = tuple(shape)
-        nbytes = shape[0] * shape[1] * np.dtype(self.np_dtype).itemsize
+        self.row_bytes = shape[1] * np.dtype(self.np_dtype).itemsize
+        nbytes = shape[0] * self.row_bytes
         if end - begin != nbytes or begin < 0:
             raise CheckpointError(
                 f"corrupt safetensors file {path}: {key} spans {end - begin} bytes, "
@@ -93,28 +110,46 @@ class _MappedTensor:
                 f"corrupt or truncated safetensors file {path}: {key} ends at byte {data_start + end}, "
                 f"the file has {size}"
             )
-        self.array = np.memmap(path, dtype=self.np_dtype, mode="r", offset=data_start + begin, shape=self.shape)
+        self.path, self.offset = path, data_start + begin
+        self._fd = os.open(path, os.O_RDONLY | getattr(os, "O_BINARY", 0))
+        self._device = None
 
     def rows(self, idx: np.ndarray) -> mx.array:
-        """The rows ``idx`` (sorted, unique) as an MLX array of the tensor's dtype (only they are read)."""
-        rows = np.ascontiguousarray(self.array[idx])
-        self.release()
-        rows = mx.array(rows)
+        """The rows ``idx`` (sorted, unique) as an MLX array of the tensor's dtype: one read per run
+        of consecutive rows, only they are read."""
+        out = np.empty((len(idx), self.shape[1]), self.np_dtype)
+        flat = out.reshape(-1).view(np.uint8)
+        runs = np.flatnonzero(np.diff(idx) != 1) + 1
+        for first, stop in zip(np.concatenate([[0], runs]), np.concatenate([runs, [len(idx)]])):
+            n = (stop - first) * self.row_bytes
+            data = os.pread(self._fd, n, self.offset + int(idx[first]) * self.row_bytes)
+            if len(data) != n:
+                raise CheckpointError(f"{self.path} was cut short while reading its per-layer embedding table")
+            flat[first * self.row_bytes : first * self.row_bytes + n] = np.frombuffer(data, np.uint8)
+        rows = mx.array(out)
         return rows.view(mx.bfloat16) if self.mx_dtype == mx.bfloat16 else rows
 
-    def release(self) -> None:
-        """Unmap the pages the last gather faulted in (they stay in the OS page cache, not in the process).
-
-        Recent kernels map whole large folios (up to MBs) on a fault, so without this each 8-16 KB row
-        read would leave a megabyte or more resident, and decoding would slowly map in the whole table.
-        Dropping the page-table entries of a read-only file mapping is cheap (~0.1 ms) and loses nothing.
-        """
-        mm = getattr(self.array, "_mmap", None)
-        if _DONTNEED is not None and mm is not None:
+    def on_device(self) -> mx.array | None:
+        """The whole tensor as an MLX array over the file's pages without a copy, where the backend
+        can wrap host memory (Metal); None elsewhere. The mapping starts at a page boundary (as
+        wrapping requires) and the tensor is a view into it."""
+        if self._device is None:
             try:
-                mm.madvise(_DONTNEED)
-            except (OSError, ValueError):
-                pass
+                data = wrap_host_memory(np.memmap(self.path, dtype=np.uint8, mode="r"))
+            except (ValueError, TypeError, OSError):
+                self._device = False
+            else:
+                flat = data[self.offset : self.offset + self.shape[0] * self.row_bytes]
+                self._device = flat.view(self.mx_dtype).reshape(self.shape)
+        return self._device if self._device is not False else None
+
+    def close(self) -> None:
+        if getattr(self, "_fd", None) is not None:
+            os.close(self._fd)
+            self._fd = None
+
+    def __del__(self):
+        self.close()
 
 
 class MappedEmbedding:
@@ -128,8 +163,9 @@ class MappedEmbedding:
     ``dtype`` casts the gathered rows of a plain table (as ``load(dtype=...)`` casts loaded weights;
     like there, a quantized table keeps its scales' dtype).
 
-    The lookup needs the token ids on the host (``np.asarray(ids)``), so it evaluates ``ids``: that
-    one sync is inherent to gathering from a file; nothing else in it waits on the device.
+    Where the table cannot be gathered on the device (:attr:`on_device` False), the lookup needs the
+    token ids on the host (``np.asarray(ids)``), so it evaluates ``ids``: that one sync is inherent to
+    reading from a file; nothing else in it waits on the device.
     """
 
     def __init__(
@@ -209,6 +245,28 @@ class MappedEmbedding:
         return sum(int(np.prod(p.shape)) * np.dtype(p.np_dtype).itemsize for p in parts)
 
     def __call__(self, ids: mx.array) -> mx.array:
+        rows = self._gather_on_device(ids)
+        return rows if rows is not None else self._read_rows(ids)
+
+    def _gather_on_device(self, ids: mx.array) -> mx.array | None:
+        """The rows gathered by the device from the file's pages (no host sync: a decode step's
+        graph is built before its token is known), where the backend can wrap the mapping; else None.
+        Ids are not range-checked here (that would need them on the host): a prompt's ids are
+        checked once at the API boundary and sampled ids come from a head of the same vocabulary."""
+        parts = [self.weight] + ([self.scales, self.biases] if self.quantized else [])
+        tables = [p.on_device() for p in parts]
+        if any(t is None for t in tables):
+            return None
+        flat = mx.array(ids).reshape(-1)
+        if self.quantized:
+            w, s, b = (mx.take(t, flat, axis=0) for t in tables)
+            rows = mx.dequantize(w, scales=s, biases=b, group_size=self.group_size, bits=self.bits)
+        else:
+            rows = mx.take(tables[0], flat, axis=0)
+            rows = rows if rows.dtype == self.dtype else rows.astype(self.dtype)
+        return rows.reshape(*ids.shape, self.shape[1])
+
+    def _read_rows(self, ids: mx.array) -> mx.array:
         # Host sync: the rows to read depend on the ids' values, so they must be evaluated here.
         host = np.asarray(ids)
         if host.size == 0:
@@ -233,6 +291,12 @@ class MappedEmbedding:
         if len(unique) != len(flat) or not np.array_equal(unique, flat):
             rows = mx.take(rows, mx.array(inverse.reshape(-1).astype(np.int32)), axis=0)
         return rows.reshape(*host.shape, self.shape[1])
+
+    @property
+    def on_device(self) -> bool:
+        """True where the table is gathered by the device from the mapped file (no host sync)."""
+        parts = [self.weight] + ([self.scales, self.biases] if self.quantized else [])
+        return all(p.on_device() is not None for p in parts)
 
     def __repr__(self) -> str:
         q = f", {self.bits}-bit group {self.group_size}" if self.quantized else ""

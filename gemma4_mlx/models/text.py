@@ -56,26 +56,35 @@ class Attention(nn.Module):
         self.o_proj = nn.Linear(self.n_heads * self.head_dim, cfg.hidden_size, bias=bias)
         self.rope = make_rope(self.head_dim, cfg.rope_for(spec.layer_type))
 
-    def __call__(self, x, mask, cache, offset, shared_kv=None):
+    def project(self, x, offset):
+        """q [B, H, L, D] and this layer's new k, v (normed and rotated; None in KV-shared layers)."""
         B, L, _ = x.shape
         q = ops.rms_norm(self.q_proj(x).reshape(B, L, -1, self.head_dim), self.q_norm.weight, self.eps)
         q = ops.rope(q.transpose(0, 2, 1, 3), offset, self.rope)
+        if self.spec.is_kv_shared:
+            return q, None, None
+        k = self.k_proj(x).reshape(B, L, -1, self.head_dim)
+        # K=V layers: V is the raw k_proj output, before k_norm and without RoPE.
+        v = k if self.spec.k_eq_v else self.v_proj(x).reshape(B, L, -1, self.head_dim)
+        k = ops.rope(ops.rms_norm(k, self.k_norm.weight, self.eps).transpose(0, 2, 1, 3), offset, self.rope)
+        v = ops.rms_norm(v, None, self.eps).transpose(0, 2, 1, 3)
+        return q, k, v
 
+    def output(self, out):
+        """The output projection of the attention result [B, H, L, D]."""
+        B, _, L, _ = out.shape
+        # One token: [B, H, 1, D] already has [B, 1, H * D]'s memory order, no transpose (copy) needed.
+        out = out.reshape(B, L, -1) if L == 1 else out.transpose(0, 2, 1, 3).reshape(B, L, -1)
+        return self.o_proj(out)
+
+    def __call__(self, x, mask, cache, offset, shared_kv=None):
+        q, k, v = self.project(x, offset)
         if shared_kv is not None:
             # KV-shared layer: attend over the source layer's cached K/V (already normed and rotated).
             k, v = shared_kv
-        else:
-            k = self.k_proj(x).reshape(B, L, -1, self.head_dim)
-            # K=V layers: V is the raw k_proj output, before k_norm and without RoPE.
-            v = k if self.spec.k_eq_v else self.v_proj(x).reshape(B, L, -1, self.head_dim)
-            k = ops.rope(ops.rms_norm(k, self.k_norm.weight, self.eps).transpose(0, 2, 1, 3), offset, self.rope)
-            v = ops.rms_norm(v, None, self.eps).transpose(0, 2, 1, 3)
-            if cache is not None:
-                k, v = cache.update_and_fetch(k, v)
-
-        out = ops.attention(q, k, v, scale=1.0, mask=mask)
-        out = out.transpose(0, 2, 1, 3).reshape(B, L, -1)
-        return self.o_proj(out), (k, v)
+        elif cache is not None:
+            k, v = cache.update_and_fetch(k, v)
+        return self.output(ops.attention(q, k, v, scale=1.0, mask=mask)), (k, v)
 
 
 class MLP(nn.Module):
@@ -105,7 +114,8 @@ class Router(nn.Module):
         x = ops.rms_norm(x, self.scale * self.root_size, self.eps)
         scores = self.proj(x)
         # softmax over all experts then renormalising the top-k equals a softmax over the top-k.
-        idx = mx.stop_gradient(mx.argpartition(-scores, kth=self.top_k - 1, axis=-1)[..., : self.top_k])
+        # The top k by partitioning at -k (no negated copy of the scores), as mlx-lm does.
+        idx = mx.stop_gradient(mx.argpartition(scores, kth=-self.top_k, axis=-1)[..., -self.top_k :])
         weights = mx.softmax(mx.take_along_axis(scores, idx, axis=-1).astype(mx.float32), axis=-1)
         weights = weights * self.per_expert_scale[idx].astype(mx.float32)
         return idx, weights.astype(x.dtype)
@@ -155,10 +165,14 @@ class DecoderLayer(nn.Module):
             self.per_layer_projection = nn.Linear(cfg.hidden_size_per_layer_input, h, bias=False)
             self.post_per_layer_input_norm = nn.RMSNorm(h, eps=eps)
 
-    def __call__(self, x, mask, cache, offset, per_layer_input=None, shared_kv=None):
+    def attention_inputs(self, x, offset):
+        """The layer up to attention: q and the new k, v for the residual stream ``x``."""
+        return self.self_attn.project(ops.rms_norm(x, self.input_layernorm.weight, self.eps), offset)
+
+    def finish(self, x, attn, per_layer_input=None):
+        """The layer after attention: output projection, MLP (and MoE) and PLE, with their norms."""
         eps = self.eps
-        h, kv = self.self_attn(ops.rms_norm(x, self.input_layernorm.weight, eps), mask, cache, offset, shared_kv)
-        x = ops.add_rms_norm(x, h, self.post_attention_layernorm.weight, eps)
+        x = ops.add_rms_norm(x, self.self_attn.output(attn), self.post_attention_layernorm.weight, eps)
 
         h = self.mlp(ops.rms_norm(x, self.pre_feedforward_layernorm.weight, eps))
         if self.has_moe:
@@ -174,7 +188,32 @@ class DecoderLayer(nn.Module):
         if self.has_ple:
             g = ops.geglu(self.per_layer_input_gate(x), per_layer_input)
             x = ops.add_rms_norm(x, self.per_layer_projection(g), self.post_per_layer_input_norm.weight, eps, self.layer_scalar)
-        return x, kv
+        return x
+
+    def __call__(self, x, mask, cache, offset, per_layer_input=None, shared_kv=None):
+        # One token (a decode step): both halves of the layer as compiled functions, so a step's
+        # graph is built from a few cached traces instead of hundreds of Python op calls, and their
+        # elementwise chains are fused. The cache update and attention stay outside: their shapes
+        # change every step.
+        one = x.shape[1] == 1 and isinstance(offset, mx.array)
+        before, after = self._compiled() if one else (self.attention_inputs, self.finish)
+        q, k, v = before(x, offset)
+        if shared_kv is not None:
+            # KV-shared layer: attend over the source layer's cached K/V (already normed and rotated).
+            k, v = shared_kv
+        elif cache is not None:
+            k, v = cache.update_and_fetch(k, v)
+        x = after(x, ops.attention(q, k, v, scale=1.0, mask=mask), per_layer_input)
+        return x, (k, v)
+
+    def _compiled(self):
+        """``attention_inputs`` and ``finish`` compiled, with the layer's arrays as implicit inputs
+        (so loading or replacing weights later is seen); made on first use, remade when the ops change."""
+        fns = self.__dict__.get("_compiled_fns")
+        if fns is None or fns[0] != ops.generation():
+            fns = (ops.generation(), mx.compile(self.attention_inputs, inputs=self), mx.compile(self.finish, inputs=self))
+            object.__setattr__(self, "_compiled_fns", fns)
+        return fns[1], fns[2]
 
 
 class TextModel(nn.Module):
@@ -279,6 +318,9 @@ class TextModel(nn.Module):
 
         offset = cache[0].offset if cache is not None else 0
         masks = self.make_masks(h, cache, offset, vision_blocks)
+        # A decode step passes its position as an array: the layers' compiled halves then serve
+        # every step from one trace.
+        position = mx.array(offset, dtype=mx.int32) if h.shape[1] == 1 else offset
         kvs: list = [None] * len(self.layers)
         for i, layer in enumerate(self.layers):
             spec = layer.spec
@@ -288,7 +330,7 @@ class TextModel(nn.Module):
                 h,
                 masks[spec.layer_type],
                 c,
-                offset,
+                position,
                 per_layer_input=per_layer[:, :, i, :] if per_layer is not None else None,
                 shared_kv=shared,
             )

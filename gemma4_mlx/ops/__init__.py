@@ -22,6 +22,7 @@ REFERENCE_ONLY = os.environ.get("GEMMA4_MLX_REFERENCE_OPS", "").strip() not in (
 # name -> {device type: implementation}; filled by kernel modules as they are added.
 _FAST: dict[str, dict[mx.DeviceType, Callable]] = {}
 _chosen: dict[tuple[str, mx.DeviceType], Callable] = {}
+_generation = 0
 
 
 def register(name: str, device_type: mx.DeviceType, fn: Callable) -> None:
@@ -30,10 +31,25 @@ def register(name: str, device_type: mx.DeviceType, fn: Callable) -> None:
         raise ValueError(f"no op named {name!r} (ops: {', '.join(OPS)})")
     _FAST.setdefault(name, {})[device_type] = fn
     _chosen.clear()
+    invalidate_compiled()
+
+
+def generation() -> int:
+    """Changes whenever :func:`register` does: functions compiled over the ops are remade then."""
+    return _generation
+
+
+def invalidate_compiled() -> None:
+    """Make functions compiled over the ops trace again on their next call (after a change to what
+    the ops call, e.g. a kernel registered or a measuring tool's stand-ins)."""
+    global _generation
+    _generation += 1
 
 
 def implementation(name: str) -> Callable:
     """The implementation of op ``name`` for the current default device."""
+    if not _FAST or REFERENCE_ONLY:  # nothing registered: skip the device lookup (once per op call)
+        return getattr(reference, name)
     key = (name, mx.default_device().type)
     fn = _chosen.get(key)
     if fn is None:
@@ -76,4 +92,4 @@ def moe_experts(x: mx.array, indices: mx.array, weights: mx.array, switch_glu) -
 
 OPS = ("attention", "rms_norm", "add_rms_norm", "rope", "geglu", "moe_experts")
 
-__all__ = ["register", "implementation", "REFERENCE_ONLY", *OPS]
+__all__ = ["register", "implementation", "generation", "invalidate_compiled", "REFERENCE_ONLY", *OPS]

@@ -3,7 +3,6 @@ kernels where they exist). They define what every faster implementation must com
 
 from __future__ import annotations
 
-from functools import partial
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -18,15 +17,22 @@ def rms_norm(x, weight, eps):
 
 
 def add_rms_norm(residual, x, weight, eps, scalar):
-    out = residual + mx.fast.rms_norm(x, weight, eps)
-    return out if scalar is None else out * scalar
+    normed = mx.fast.rms_norm(x, weight, eps)
+    return residual + normed if scalar is None else _add_then_scale(residual, normed, scalar)
+
+
+# Compiled for fixed shapes (a trace per shape): a shapeless trace keeps broadcasts that split the
+# fused kernel in two.
+@mx.compile
+def _add_then_scale(residual, x, scalar):
+    return (residual + x) * scalar
 
 
 def rope(x, offset, rope_module):
     return rope_module(x, offset=offset)
 
 
-@partial(mx.compile, shapeless=True)
+@mx.compile
 def geglu(gate, up):
     return nn.gelu_approx(gate) * up
 

@@ -1,0 +1,260 @@
+"""Benchmark: one decode step, counted. Kernels per step, Python graph-build time, host syncs, and
+decode speed with the PLE table mapped or loaded, side by side with mlx-lm in one run.
+
+    python -m gemma4_mlx.bench --step                      # all four variants, real shapes, 4-bit
+    python -m gemma4_mlx.bench --step --variants e2b --narrow
+
+How kernels are counted (the same on any machine, so the counts are stable and testable): the step's
+lazy graph is built (``model(token, cache)`` with ``cached`` tokens in the cache), written out with
+``mx.export_to_dot`` and its primitives counted as a GPU would launch them. Views (reshape of
+contiguous data, transpose, slice, broadcast, expand/squeeze, split) launch nothing; a reshape of a
+transposed array is one copy; a concatenation launches one copy per input; a compiled function is
+one kernel per fused segment (what ``mx.compile`` leaves in the graph); everything else is one.
+MLX's fused ops (RMSNorm, LayerNorm, RoPE, attention) are one kernel each on Metal and CUDA, but on
+a CPU MLX builds them from their compositions, so while counting they are replaced by stand-ins that
+keep their inputs and count one.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import re
+import statistics
+import tempfile
+import time
+from collections import Counter
+from contextlib import contextmanager
+from pathlib import Path
+
+import mlx.core as mx
+
+# Primitives that only make a view: no kernel on a GPU.
+VIEWS = {"Broadcast", "Reshape", "Flatten", "Unflatten", "ExpandDims", "Squeeze", "Slice", "Transpose", "AsStrided",
+         "Split", "StopGradient", "Depends", "View"}  # fmt: skip
+# Scans (which no Gemma 4 step uses and which mx.compile cannot fuse) stand in for the fused ops
+# while counting; see fast_ops_counted.
+_STAND_INS = {"CumSum": "RMSNorm", "CumProd": "RoPE", "CumMax": "ScaledDotProductAttention", "CumMin": "LayerNorm",
+              "CumLogAddExp": "Dequantize"}  # fmt: skip
+
+
+@contextmanager
+def fast_ops_counted():
+    """Replace MLX's fused ops by one-primitive stand-ins of the same shape and dtype that depend on
+    all their inputs, so a CPU graph counts them as a GPU runs them: one kernel each. The values are
+    wrong: graphs built inside are for counting, never for evaluating (compiled traces made inside
+    are dropped on the way out)."""
+    from .. import ops
+
+    names = ("rms_norm", "layer_norm", "rope", "scaled_dot_product_attention")
+    saved = {n: getattr(mx.fast, n) for n in names}
+    saved_dequantize = mx.dequantize
+
+    def on(x, *deps):
+        """``x``, made to depend on ``deps``: two stand-ins differ when their inputs do (else
+        mx.compile would merge them as one computation)."""
+        deps = [d for d in deps if isinstance(d, mx.array)]
+        return mx.depends(x, deps) if deps else x
+
+    def rms_norm(x, weight, eps, **_):
+        return mx.cumsum(on(x, weight), axis=-1)
+
+    def layer_norm(x, weight, bias, eps, **_):
+        return mx.cummin(on(x, weight, bias), axis=-1)
+
+    def rope(x, dims, *, traditional=False, base=None, scale=1.0, offset=0, freqs=None, **_):
+        return mx.cumprod(on(x, offset, freqs), axis=-1)
+
+    def sdpa(q, k, v, *, scale, mask=None, sinks=None, **_):
+        out = q if q.shape[-1] == v.shape[-1] else mx.broadcast_to(q[..., :1], (*q.shape[:-1], v.shape[-1]))
+        return mx.cummax(on(out, k, v, mask, sinks), axis=-1)
+
+    def dequantize(w, scales, biases=None, group_size=64, bits=4, mode="affine", **_):
+        out = mx.broadcast_to(scales[..., :1], (*w.shape[:-1], w.shape[-1] * 32 // bits))
+        return mx.logcumsumexp(on(out, w, biases), axis=-1)
+
+    mx.fast.rms_norm, mx.fast.layer_norm, mx.fast.rope, mx.fast.scaled_dot_product_attention = rms_norm, layer_norm, rope, sdpa
+    mx.dequantize = dequantize
+    ops.invalidate_compiled()
+    try:
+        yield
+    finally:
+        for name, fn in saved.items():
+            setattr(mx.fast, name, fn)
+        mx.dequantize = saved_dequantize
+        ops.invalidate_compiled()
+
+
+_NODE = re.compile(r'^\{ (\d+) \[label ="([^"]+)"')
+_EDGE = re.compile(r'^"?([^"\s]+)"? -> "?([^"\s]+)"?$')
+
+
+def count_kernels(outputs, one_token: bool = True) -> Counter:
+    """Kernels a GPU launches to evaluate ``outputs`` (already-evaluated arrays are inputs), by kind.
+    With ``one_token`` (a decode step) a reshape of a transposed array is a view: with one token the
+    transposed [B, H, 1, D] is still contiguous."""
+    with tempfile.TemporaryDirectory() as tmp:
+        path = Path(tmp) / "graph.dot"
+        mx.export_to_dot(str(path), *outputs)
+        lines = path.read_text().splitlines()
+    label, inputs, producer = {}, {}, {}
+    for line in lines:
+        line = line.strip()
+        m = _NODE.match(line)
+        if m:
+            label[m.group(1)] = m.group(2)
+            continue
+        m = _EDGE.match(line)
+        if m:
+            a, b = m.groups()
+            if b in label:  # array -> primitive
+                inputs.setdefault(b, []).append(a)
+            elif a in label:  # primitive -> array
+                producer[b] = a
+    kinds = Counter()
+    for node, name in label.items():
+        if name in VIEWS:
+            if not one_token and name in ("Reshape", "Flatten") and any(label.get(producer.get(a)) == "Transpose" for a in inputs.get(node, [])):
+                kinds["Copy"] += 1  # a transposed array is copied to be reshaped
+            continue
+        if name == "Concatenate":
+            kinds[name] += len(inputs.get(node, []))
+        elif name.startswith("Compiled"):
+            kinds["Compiled"] += 1
+        else:
+            kinds[_STAND_INS.get(name, name)] += 1
+    return kinds
+
+
+def narrow(text: dict) -> dict:
+    """The variant's layer structure with small widths: the same graph, cheap to build (tests, CPUs)."""
+    cfg = dict(text)
+    ple = 64 if cfg.get("hidden_size_per_layer_input") else 0
+    cfg.update(hidden_size=128, intermediate_size=256, head_dim=64, global_head_dim=128, hidden_size_per_layer_input=ple)
+    if cfg.get("enable_moe_block"):
+        cfg.update(moe_intermediate_size=64)
+    return cfg
+
+
+def materialize(*models) -> None:
+    """Evaluate every array the models hold, private ones too (RoPE tables): they are inputs of a
+    step, not part of it."""
+    for model in models:
+        mx.eval(model.parameters(), [v for _, m in model.named_modules() for k, v in m.items() if isinstance(v, mx.array)])
+
+
+def cache_holding(model, n: int, dtype=mx.bfloat16) -> list:
+    """``model.make_cache()`` (ours or mlx-lm's) as if ``n`` tokens had been prefilled (zeros)."""
+    from mlx_lm.models.cache import KVCache, RotatingKVCache
+
+    cache = model.make_cache()
+    text = getattr(model, "text_config", None) or model.args
+    layers = [i for i in range(text.num_hidden_layers) if i < text.num_hidden_layers - (text.num_kv_shared_layers or 0)]
+    for c, i in zip(cache, layers):
+        full = text.layer_types[i] == "full_attention"
+        heads = (text.num_global_key_value_heads or text.num_key_value_heads) if full and text.attention_k_eq_v else text.num_key_value_heads
+        dim = text.global_head_dim if full else text.head_dim
+        if isinstance(c, RotatingKVCache):
+            size = min(n, c.max_size)
+            c.keys = mx.zeros((1, heads, size, dim), dtype)
+            c.values = mx.zeros((1, heads, size, dim), dtype)
+            c.offset, c._idx = n, size if n >= c.max_size else n
+        elif isinstance(c, KVCache):
+            size = (n + c.step - 1) // c.step * c.step
+            c.keys = mx.zeros((1, heads, size, dim), dtype)
+            c.values = mx.zeros((1, heads, size, dim), dtype)
+            c.offset = n
+    mx.eval([(c.keys, c.values) for c in cache])
+    return cache
+
+
+def _copy(cache: list) -> list:
+    """Caches that share the arrays of ``cache`` (arrays are immutable: a step on the copy leaves ``cache`` as it is)."""
+    out = []
+    for c in cache:
+        d = type(c).__new__(type(c))
+        d.__dict__.update(c.__dict__)
+        out.append(d)
+    return out
+
+
+def step_graph(model, cache: list, token: mx.array, ours: bool) -> mx.array:
+    """Build (do not run) one decode step: logits for ``token`` [1, 1], caches advanced."""
+    if ours:
+        return model.forward(token, cache)
+    return model(token, cache=cache)
+
+
+def kernels_per_step(model, cache: list, ours: bool, token: int = 5) -> Counter:
+    """Kernels of one decode step of ``model`` over ``cache`` (see the module docstring)."""
+    with fast_ops_counted():
+        c = _copy(cache)
+        logits = step_graph(model, c, mx.array([[token]]), ours)
+        state = [x for layer in c for x in (layer.keys, layer.values)]
+        return count_kernels([logits, *state])
+
+
+def build_time_ms(pairs: list, cache_of: dict, repeats: int = 15) -> dict[str, float]:
+    """Median Python time to build one decode step's graph, each model measured alternately."""
+    times = {name: [] for name, _, _ in pairs}
+    token = mx.array([[5]])
+    for _ in range(repeats):
+        for name, model, ours in pairs:
+            c = _copy(cache_of[name])
+            gc.disable()
+            tic = time.perf_counter()
+            step_graph(model, c, token, ours)
+            times[name].append((time.perf_counter() - tic) * 1e3)
+            gc.enable()
+    return {name: statistics.median(t) for name, t in times.items()}
+
+
+def main(argv: list[str] | None = None) -> list[dict]:
+    from ..variants import VARIANTS
+    from .speed import build_pair
+
+    p = argparse.ArgumentParser(prog="python -m gemma4_mlx.bench --step", description=__doc__.split("\n\n")[0])
+    p.add_argument("--variants", nargs="+", default=list(VARIANTS), choices=list(VARIANTS))
+    p.add_argument("--bits", type=int, default=4, help="quantization bits (0: bf16)")
+    p.add_argument("--cached", type=int, default=1102, help="tokens in the cache before the step")
+    p.add_argument("--narrow", action="store_true", help="small widths, same layers: the same counts, quicker")
+    p.add_argument("--vocab", type=int, default=262_144)
+    args = p.parse_args(argv)
+
+    print(f"device: {mx.default_device()}, mlx {mx.__version__}, {f'{args.bits}-bit' if args.bits else 'bf16'}, "
+          f"{args.cached} cached tokens{', narrow widths' if args.narrow else ', real shapes'}")  # fmt: skip
+    print(HEADER)
+    rows = []
+    for name in args.variants:
+        ours, theirs, text = build_pair(name, None, args.bits or None, vocab_size=args.vocab, edit=narrow if args.narrow else None)
+        materialize(ours, theirs)
+        caches = {"ours": cache_holding(ours, args.cached), "mlx_lm": cache_holding(theirs, args.cached)}
+        k_ours = kernels_per_step(ours, caches["ours"], True)
+        k_theirs = kernels_per_step(theirs, caches["mlx_lm"], False)
+        build = build_time_ms([("ours", ours, True), ("mlx_lm", theirs, False)], caches)
+        rows.append(dict(variant=name, layers=text["num_hidden_layers"], kernels=(k_ours, k_theirs), build_ms=build))
+        print(_row(rows[-1]), flush=True)
+        del ours, theirs, caches
+        gc.collect()
+        mx.clear_cache()
+    return rows
+
+
+HEADER = (
+    "| variant | layers | kernels per decode step (ours / mlx-lm / ratio) | graph build ms (ours / mlx-lm / ratio) "
+    "| our kernels by kind |\n|---|---|---|---|---|"
+)
+
+
+def _row(r: dict) -> str:
+    a, b = r["kernels"]
+    ta, tb = r["build_ms"]["ours"], r["build_ms"]["mlx_lm"]
+    kinds = ", ".join(f"{k} {n}" for k, n in a.most_common(8))
+    return (
+        f"| {r['variant']} | {r['layers']} | {sum(a.values())} / {sum(b.values())} / {sum(a.values()) / sum(b.values()):.2f}x "
+        f"| {ta:.1f} / {tb:.1f} / {ta / tb:.2f}x | {kinds} |"
+    )
+
+
+if __name__ == "__main__":
+    main()
