@@ -1,3 +1,10 @@
-from .speed import main
+import sys
 
-main()
+if "--step" in sys.argv[1:]:  # one decode step, counted (bench/step.py)
+    from .step import main
+
+    main([a for a in sys.argv[1:] if a != "--step"])
+else:
+    from .speed import main
+
+    main()

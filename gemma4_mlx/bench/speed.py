@@ -2,6 +2,7 @@
 
     python -m gemma4_mlx.bench                       # all four variant shapes, 4-bit
     python -m gemma4_mlx.bench --variants e2b 31b --prompt-tokens 512 --gen-tokens 128 --layers full
+    python -m gemma4_mlx.bench --step                # one decode step counted (bench/step.py)
 
 Each variant is built with its real shapes (hidden size, heads, head dims, vocabulary, experts,
 per-layer embeddings); ``--layers`` keeps the real layer pattern but fewer layers, so the benchmark

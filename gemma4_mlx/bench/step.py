@@ -4,6 +4,9 @@ decode speed with the PLE table mapped or loaded, side by side with mlx-lm in on
     python -m gemma4_mlx.bench --step                      # all four variants, real shapes, 4-bit
     python -m gemma4_mlx.bench --step --variants e2b --narrow
 
+Host syncs per step: the sampled token read by the loop (every loop has that one), plus one when
+building the step needs its token on the host first (the PLE table read from the file with pread).
+
 How kernels are counted (the same on any machine, so the counts are stable and testable): the step's
 lazy graph is built (``model(token, cache)`` with ``cached`` tokens in the cache), written out with
 ``mx.export_to_dot`` and its primitives counted as a GPU would launch them. Views (reshape of
@@ -209,6 +212,44 @@ def build_time_ms(pairs: list, cache_of: dict, repeats: int = 15) -> dict[str, f
     return {name: statistics.median(t) for name, t in times.items()}
 
 
+def host_needed_before_building(model) -> bool:
+    """True if building a decode step needs its token on the host first (a sync that stops the
+    loop from building the next step while the device computes the current one)."""
+    cache = model.make_cache()
+    mx.eval(model.forward(mx.array([[1, 2, 3]]), cache))
+    token = mx.array([[4]]) + 1  # lazy until something evaluates it
+    model.forward(token, cache)
+    return not count_kernels([token])  # an evaluated array has no graph left
+
+
+def decode_mapped_vs_loaded(variant: str, bits: int, narrow_widths: bool, vocab: int, tokens: int, repeats: int = 3) -> dict:
+    """Decode tokens/s of one checkpoint loaded with its PLE table mapped and fully loaded, run
+    alternately (best of ``repeats``), and whether each needs the host before building a step."""
+    from mlx_lm.sample_utils import make_sampler
+
+    from ..generation.decode import generate_tokens
+    from ..loading import load
+    from ..variants import variant_config
+    from .memory import write_checkpoint
+
+    text = variant_config(variant, None, vocab)
+    with tempfile.TemporaryDirectory() as tmp:
+        folder = write_checkpoint(Path(tmp) / variant, bits=bits, text=narrow(text) if narrow_widths else text, progress=lambda *_: None)
+        models = {"mapped": load(folder)[0], "loaded": load(folder, lazy_ple=False)[0]}
+        prompt = mx.random.randint(0, vocab, (32,), key=mx.random.key(0))
+        speed = {k: 0.0 for k in models}
+        for _ in range(repeats):
+            for kind, model in models.items():
+                steps = generate_tokens(model, prompt, model.make_cache(), tokens + 1, make_sampler(0.0))
+                next(steps)  # prefill and the first token
+                tic = time.perf_counter()
+                n = sum(1 for _ in steps)
+                speed[kind] = max(speed[kind], n / (time.perf_counter() - tic))
+        syncs = {kind: host_needed_before_building(m) for kind, m in models.items()}
+        del models
+    return {"tps": speed, "host_first": syncs}
+
+
 def main(argv: list[str] | None = None) -> list[dict]:
     from ..variants import VARIANTS
     from .speed import build_pair
@@ -219,6 +260,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
     p.add_argument("--cached", type=int, default=1102, help="tokens in the cache before the step")
     p.add_argument("--narrow", action="store_true", help="small widths, same layers: the same counts, quicker")
     p.add_argument("--vocab", type=int, default=262_144)
+    p.add_argument("--decode-tokens", type=int, default=32, help="tokens decoded per run, PLE table mapped vs loaded (E2B/E4B)")
     args = p.parse_args(argv)
 
     print(f"device: {mx.default_device()}, mlx {mx.__version__}, {f'{args.bits}-bit' if args.bits else 'bf16'}, "
@@ -237,8 +279,24 @@ def main(argv: list[str] | None = None) -> list[dict]:
         del ours, theirs, caches
         gc.collect()
         mx.clear_cache()
+    ple_variants = [n for n in args.variants if VARIANTS[n].get("hidden_size_per_layer_input")]
+    if ple_variants and args.decode_tokens:
+        print(PLE_HEADER)
+        for name in ple_variants:
+            r = decode_mapped_vs_loaded(name, args.bits or 4, args.narrow, args.vocab, args.decode_tokens)
+            rows.append(dict(variant=name, ple=r))
+            t, first = r["tps"], r["host_first"]
+            print(
+                f"| {name} | {t['mapped']:.2f} / {t['loaded']:.2f} / {t['mapped'] / t['loaded']:.2f}x "
+                f"| {1 + first['mapped']} / {1 + first['loaded']} |",
+                flush=True,
+            )
     return rows
 
+
+PLE_HEADER = (
+    "\n| variant | decode tok/s, PLE table mapped / loaded / ratio | host syncs per step, mapped / loaded |\n|---|---|---|"
+)
 
 HEADER = (
     "| variant | layers | kernels per decode step (ours / mlx-lm / ratio) | graph build ms (ours / mlx-lm / ratio) "

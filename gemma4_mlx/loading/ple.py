@@ -143,9 +143,9 @@ class _MappedTensor:
                 self._device = flat.view(self.mx_dtype).reshape(self.shape)
         return self._device if self._device is not False else None
 
-    def close(self) -> None:
+    def close(self, _close=os.close) -> None:  # bound here: at interpreter exit ``os`` may be gone
         if getattr(self, "_fd", None) is not None:
-            os.close(self._fd)
+            _close(self._fd)
             self._fd = None
 
     def __del__(self):

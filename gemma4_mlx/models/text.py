@@ -8,7 +8,7 @@ double-wide MLPs, per-layer embeddings (PLE) and the MoE block. Ground truth is 
 
 from __future__ import annotations
 
-from functools import partial
+import threading
 from typing import Any
 
 import mlx.core as mx
@@ -18,10 +18,11 @@ from mlx_lm.models.rope_utils import initialize_rope
 from mlx_lm.models.switch_layers import SwitchGLU
 
 from .. import ops
+from ..ops.compiled import compiled
 from ..config import FULL, SLIDING, LayerSpec, TextConfig, UnsupportedModelError
 
 
-@partial(mx.compile, shapeless=True)
+@compiled(shapeless=True)
 def softcap(x: mx.array, cap: float) -> mx.array:
     return mx.tanh(x / cap) * cap
 
@@ -191,29 +192,13 @@ class DecoderLayer(nn.Module):
         return x
 
     def __call__(self, x, mask, cache, offset, per_layer_input=None, shared_kv=None):
-        # One token (a decode step): both halves of the layer as compiled functions, so a step's
-        # graph is built from a few cached traces instead of hundreds of Python op calls, and their
-        # elementwise chains are fused. The cache update and attention stay outside: their shapes
-        # change every step.
-        one = x.shape[1] == 1 and isinstance(offset, mx.array)
-        before, after = self._compiled() if one else (self.attention_inputs, self.finish)
-        q, k, v = before(x, offset)
+        q, k, v = self.attention_inputs(x, offset)
         if shared_kv is not None:
             # KV-shared layer: attend over the source layer's cached K/V (already normed and rotated).
             k, v = shared_kv
         elif cache is not None:
             k, v = cache.update_and_fetch(k, v)
-        x = after(x, ops.attention(q, k, v, scale=1.0, mask=mask), per_layer_input)
-        return x, (k, v)
-
-    def _compiled(self):
-        """``attention_inputs`` and ``finish`` compiled, with the layer's arrays as implicit inputs
-        (so loading or replacing weights later is seen); made on first use, remade when the ops change."""
-        fns = self.__dict__.get("_compiled_fns")
-        if fns is None or fns[0] != ops.generation():
-            fns = (ops.generation(), mx.compile(self.attention_inputs, inputs=self), mx.compile(self.finish, inputs=self))
-            object.__setattr__(self, "_compiled_fns", fns)
-        return fns[1], fns[2]
+        return self.finish(x, ops.attention(q, k, v, scale=1.0, mask=mask), per_layer_input), (k, v)
 
 
 class TextModel(nn.Module):
@@ -271,6 +256,33 @@ class TextModel(nn.Module):
         ctx = ops.rms_norm(ctx, self.per_layer_projection_norm.weight, cfg.rms_norm_eps)
         return (ctx + token_inputs) * (2.0**-0.5)
 
+    def _pieces(self, one_token: bool):
+        """The decoder cut at its attentions: ``first(h, position)`` is layer 0 up to attention
+        (q, k, v), and ``joins[i](h, attn, per_layer_input, position)`` finishes layer i and runs
+        layer i + 1 up to its attention, returning ``(h, (q, k, v))`` (the last join returns
+        ``(h, (None, None, None))``). Compiled, each piece is one cached trace: a decode step's graph
+        is built from a few dozen calls instead of thousands of Python op calls, and each piece's
+        elementwise chains are fused. The cache updates and attention stay outside the pieces:
+        their shapes change every step. The compiled pieces take the layers' arrays as implicit
+        inputs (so weights loaded or replaced later are seen) and are remade when the ops change."""
+        layers = self.layers
+
+        def join(i):
+            def run(h, attn, per_layer_input, position):
+                h = layers[i].finish(h, attn, per_layer_input)
+                return h, (layers[i + 1].attention_inputs(h, position) if i + 1 < len(layers) else (None, None, None))
+
+            return run
+
+        if not one_token:
+            return layers[0].attention_inputs, [join(i) for i in range(len(layers))]
+        pieces = self.__dict__.get("_compiled_pieces")
+        if pieces is None:  # made once; each remakes its trace when the ops change (ops/compiled.py)
+            first = compiled(layers[0].attention_inputs, inputs=layers[0])
+            pieces = (first, [compiled(join(i), inputs=layers[i : i + 2]) for i in range(len(layers))])
+            object.__setattr__(self, "_compiled_pieces", pieces)  # not a module attribute: no parameters
+        return pieces
+
     def make_masks(self, h: mx.array, cache, offset: int, vision_blocks=None) -> dict[str, Any]:
         """Masks per layer type for the chunk ``h`` [B, L, hidden] (mlx-lm's causal masks; sliding
         layers also mask keys older than the window).
@@ -318,22 +330,26 @@ class TextModel(nn.Module):
 
         offset = cache[0].offset if cache is not None else 0
         masks = self.make_masks(h, cache, offset, vision_blocks)
-        # A decode step passes its position as an array: the layers' compiled halves then serve
-        # every step from one trace.
-        position = mx.array(offset, dtype=mx.int32) if h.shape[1] == 1 else offset
+        # A decode step runs the layers as compiled pieces (see _pieces), with its position as an
+        # array so that one trace serves every step. Only on the main thread: with compiled traces
+        # made on another thread (the chat engine's), MLX 0.32.4 aborts the process at exit
+        # ("terminate called without an active exception") after a reply is left early, even with
+        # the traces freed and the thread joined (tests/test_chat.py's leaving-early test).
+        one = h.shape[1] == 1 and threading.current_thread() is threading.main_thread()
+        position = mx.array(offset, dtype=mx.int32) if one else offset
+        first, joins = self._pieces(one_token=one)
+        q, k, v = first(h, position)
         kvs: list = [None] * len(self.layers)
         for i, layer in enumerate(self.layers):
             spec = layer.spec
-            c = cache[i] if cache is not None and not spec.is_kv_shared else None
-            shared = kvs[spec.kv_source] if spec.is_kv_shared else None
-            h, kvs[i] = layer(
-                h,
-                masks[spec.layer_type],
-                c,
-                position,
-                per_layer_input=per_layer[:, :, i, :] if per_layer is not None else None,
-                shared_kv=shared,
-            )
+            if spec.is_kv_shared:
+                # KV-shared layer: attend over the source layer's cached K/V (already normed and rotated).
+                k, v = kvs[spec.kv_source]
+            elif cache is not None:
+                k, v = cache[i].update_and_fetch(k, v)
+            kvs[i] = (k, v)
+            attn = ops.attention(q, k, v, scale=1.0, mask=masks[spec.layer_type])
+            h, (q, k, v) = joins[i](h, attn, per_layer[:, :, i, :] if per_layer is not None else None, position)
         return ops.rms_norm(h, self.norm.weight, self.config.rms_norm_eps)
 
 

@@ -15,6 +15,7 @@ from typing import Callable
 
 import mlx.core as mx
 
+from . import compiled as _compiled_functions
 from . import reference
 
 REFERENCE_ONLY = os.environ.get("GEMMA4_MLX_REFERENCE_OPS", "").strip() not in ("", "0")
@@ -44,6 +45,7 @@ def invalidate_compiled() -> None:
     the ops call, e.g. a kernel registered or a measuring tool's stand-ins)."""
     global _generation
     _generation += 1
+    _compiled_functions.reset()
 
 
 def implementation(name: str) -> Callable:

@@ -7,6 +7,8 @@ from __future__ import annotations
 import mlx.core as mx
 import mlx.nn as nn
 
+from .compiled import compiled
+
 
 def attention(q, k, v, scale, mask):
     return mx.fast.scaled_dot_product_attention(q, k, v, scale=scale, mask=mask)
@@ -17,13 +19,13 @@ def rms_norm(x, weight, eps):
 
 
 def add_rms_norm(residual, x, weight, eps, scalar):
-    normed = mx.fast.rms_norm(x, weight, eps)
-    return residual + normed if scalar is None else _add_then_scale(residual, normed, scalar)
+    out = residual + mx.fast.rms_norm(x, weight, eps)
+    return out if scalar is None else out * scalar
 
 
 # Compiled for fixed shapes (a trace per shape): a shapeless trace keeps broadcasts that split the
 # fused kernel in two.
-@mx.compile
+@compiled
 def _add_then_scale(residual, x, scalar):
     return (residual + x) * scalar
 
@@ -32,7 +34,7 @@ def rope(x, offset, rope_module):
     return rope_module(x, offset=offset)
 
 
-@mx.compile
+@compiled(shapeless=True)
 def geglu(gate, up):
     return nn.gelu_approx(gate) * up
 
