@@ -275,9 +275,6 @@ def _work(jobs: queue.Queue) -> None:
     while (job := jobs.get()) is not None:
         job()
         del job  # the finished job refers to its engine: let the engine go while this thread waits
-    # A reply left early leaves the next token in flight on this thread's stream; a thread that
-    # ends with work in flight aborts the process when MLX tears its stream down.
-    mx.synchronize(GENERATION_STREAM)
 
 
 _ENGINES: "weakref.WeakSet[ChatEngine]" = weakref.WeakSet()

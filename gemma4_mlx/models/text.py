@@ -78,15 +78,6 @@ class Attention(nn.Module):
         out = out.reshape(B, L, -1) if L == 1 else out.transpose(0, 2, 1, 3).reshape(B, L, -1)
         return self.o_proj(out)
 
-    def __call__(self, x, mask, cache, offset, shared_kv=None):
-        q, k, v = self.project(x, offset)
-        if shared_kv is not None:
-            # KV-shared layer: attend over the source layer's cached K/V (already normed and rotated).
-            k, v = shared_kv
-        elif cache is not None:
-            k, v = cache.update_and_fetch(k, v)
-        return self.output(ops.attention(q, k, v, scale=1.0, mask=mask)), (k, v)
-
 
 class MLP(nn.Module):
     def __init__(self, hidden_size: int, intermediate_size: int):
@@ -190,15 +181,6 @@ class DecoderLayer(nn.Module):
             g = ops.geglu(self.per_layer_input_gate(x), per_layer_input)
             x = ops.add_rms_norm(x, self.per_layer_projection(g), self.post_per_layer_input_norm.weight, eps, self.layer_scalar)
         return x
-
-    def __call__(self, x, mask, cache, offset, per_layer_input=None, shared_kv=None):
-        q, k, v = self.attention_inputs(x, offset)
-        if shared_kv is not None:
-            # KV-shared layer: attend over the source layer's cached K/V (already normed and rotated).
-            k, v = shared_kv
-        elif cache is not None:
-            k, v = cache.update_and_fetch(k, v)
-        return self.finish(x, ops.attention(q, k, v, scale=1.0, mask=mask), per_layer_input), (k, v)
 
 
 class TextModel(nn.Module):

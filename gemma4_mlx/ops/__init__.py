@@ -23,7 +23,6 @@ REFERENCE_ONLY = os.environ.get("GEMMA4_MLX_REFERENCE_OPS", "").strip() not in (
 # name -> {device type: implementation}; filled by kernel modules as they are added.
 _FAST: dict[str, dict[mx.DeviceType, Callable]] = {}
 _chosen: dict[tuple[str, mx.DeviceType], Callable] = {}
-_generation = 0
 
 
 def register(name: str, device_type: mx.DeviceType, fn: Callable) -> None:
@@ -35,16 +34,9 @@ def register(name: str, device_type: mx.DeviceType, fn: Callable) -> None:
     invalidate_compiled()
 
 
-def generation() -> int:
-    """Changes whenever :func:`register` does: functions compiled over the ops are remade then."""
-    return _generation
-
-
 def invalidate_compiled() -> None:
     """Make functions compiled over the ops trace again on their next call (after a change to what
     the ops call, e.g. a kernel registered or a measuring tool's stand-ins)."""
-    global _generation
-    _generation += 1
     _compiled_functions.reset()
 
 
@@ -94,4 +86,4 @@ def moe_experts(x: mx.array, indices: mx.array, weights: mx.array, switch_glu) -
 
 OPS = ("attention", "rms_norm", "add_rms_norm", "rope", "geglu", "moe_experts")
 
-__all__ = ["register", "implementation", "generation", "invalidate_compiled", "REFERENCE_ONLY", *OPS]
+__all__ = ["register", "implementation", "invalidate_compiled", "REFERENCE_ONLY", *OPS]

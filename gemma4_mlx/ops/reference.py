@@ -23,13 +23,6 @@ def add_rms_norm(residual, x, weight, eps, scalar):
     return out if scalar is None else out * scalar
 
 
-# Compiled for fixed shapes (a trace per shape): a shapeless trace keeps broadcasts that split the
-# fused kernel in two.
-@compiled
-def _add_then_scale(residual, x, scalar):
-    return (residual + x) * scalar
-
-
 def rope(x, offset, rope_module):
     return rope_module(x, offset=offset)
 
