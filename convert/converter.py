@@ -233,7 +233,7 @@ def convert(
     # The whole PLE table in memory: it is about to be written out (and maybe quantized).
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # the CPU expert upcast below is undone, its warning is noise here
-        model = load_model(src, dtype=dtype, lazy=True, lazy_ple=False)
+        model = load_model(src, dtype=dtype, lazy=True, lazy_ple=False, merge_projections=False)
     # load_model upcasts MoE experts to float32 on a CPU (a backend limit at run time); the files
     # must hold ``dtype`` whatever machine converts them. Every other float is ``dtype`` already.
     plan = cast_and_quantize(model, dtype, quantize, q_bits, q_group_size, q_mode, quant_recipe, quantize_towers)

@@ -169,10 +169,11 @@ def dequantized_reference(path, src):
     what a quantized model must compute, up to float rounding."""
     import mlx.core as mx
 
-    from gemma4_mlx import load
+    from gemma4_mlx import load_model
 
-    model, _ = load(path, lazy_ple=False)
-    flat, _ = load(src, dtype="float32", lazy_ple=False)
+    # Both under the checkpoint's names (the projections merged afterwards, as loading does).
+    model = load_model(path, lazy_ple=False, merge_projections=False)
+    flat = load_model(src, dtype="float32", lazy_ple=False, merge_projections=False)
     weights = []
     for name, m in model.named_modules():
         if "scales" in m:
@@ -180,4 +181,5 @@ def dequantized_reference(path, src):
             weights.append((name + ".weight", w.astype(mx.float32)))
     assert weights
     flat.load_weights(weights, strict=False)
+    flat.merge_projections()
     return flat

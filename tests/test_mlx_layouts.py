@@ -100,7 +100,7 @@ def test_mlx_vlm_4bit_matches_dequantized(fixture, request, tmp_path):
     cfg = json.loads((out / "config.json").read_text())["quantization"]
     model, processor = gemma4_mlx.load(out)
     bits = quantized_bits(model)
-    assert bits["language_model.layers.0.self_attn.q_proj"] == 4
+    assert bits["language_model.layers.0.self_attn.qkv_proj"] == 4
     assert not any(k.startswith(("vision_tower", "audio_tower")) for k in bits)  # mlx-vlm keeps towers float
     if fixture == "moe_mm_published":
         # mlx-vlm's 8-bit router override, keyed language_model.model.*, must reach our router.
@@ -137,7 +137,7 @@ def test_mlx_lm_gemma4_text(e2b_text_published, tmp_path, quantize):
     if not quantize:
         assert rel_err(model(IDS), hf_logits(hf, IDS)) < 1e-4
         return
-    assert quantized_bits(model)["language_model.layers.0.self_attn.q_proj"] == 4
+    assert quantized_bits(model)["language_model.layers.0.self_attn.qkv_proj"] == 4
     assert rel_err(model(IDS), np.array(dequantized_reference(out, src)(IDS))) < 1e-4
 
 

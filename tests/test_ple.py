@@ -197,7 +197,8 @@ def test_quantized_checkpoint_lazy_ple_identical(e2b_checkpoint, tmp_path):
     """An MLX-format checkpoint with an 8-bit PLE table: mapped rows dequantize like QuantizedEmbedding."""
     import shutil
 
-    model, _ = gemma4_mlx.load(e2b_checkpoint, lazy_ple=False)
+    # Saved under the checkpoint's names: loaded without merging the projections.
+    model = gemma4_mlx.load_model(e2b_checkpoint, lazy_ple=False, merge_projections=False)
     nn.quantize(model, group_size=32, bits=8, class_predicate=lambda path, m: path.endswith(PLE))
     folder = tmp_path / "q8"
     shutil.copytree(e2b_checkpoint, folder)
@@ -206,6 +207,15 @@ def test_quantized_checkpoint_lazy_ple_identical(e2b_checkpoint, tmp_path):
     config = json.loads((folder / "config.json").read_text())
     config["quantization"] = {"group_size": 32, "bits": 8}
     (folder / "config.json").write_text(json.dumps(config))
+
+    # Saved from a merged model, the files name the merged projections: a clear error says so.
+    merged_folder = tmp_path / "merged"
+    shutil.copytree(folder, merged_folder)
+    merged, _ = gemma4_mlx.load(e2b_checkpoint, lazy_ple=False)
+    mx.save_safetensors(str(merged_folder / "model.safetensors"), dict(tree_flatten(merged.parameters())))
+    (merged_folder / "config.json").write_text((folder / "config.json").read_text().replace('"quantization"', '"_unused"'))
+    with pytest.raises(gemma4_mlx.CheckpointError, match="merge_projections=False"):
+        gemma4_mlx.load(merged_folder)
 
     lazy, _ = gemma4_mlx.load(folder)
     full, _ = gemma4_mlx.load(folder, lazy_ple=False)

@@ -34,9 +34,10 @@ from ..variants import VARIANTS, variant_config
 CPU_LAYERS = {"e2b": 10, "e4b": 12, "26b-a4b": 2, "31b": 2}
 
 
-def build_pair(name: str, layers: int | None, bits: int | None, dtype=mx.bfloat16, vocab_size: int = 262_144, edit=None):
+def build_pair(name: str, layers: int | None, bits: int | None, dtype=mx.bfloat16, vocab_size: int = 262_144, edit=None, merge: bool = True):
     """Our model and mlx-lm's gemma4_text model sharing the same random weights (``edit`` changes
-    the text config first, e.g. :func:`gemma4_mlx.bench.step.narrow`)."""
+    the text config first, e.g. :func:`gemma4_mlx.bench.step.narrow`); ours with its projections
+    merged as ``load_model`` does, unless ``merge`` is False."""
     from mlx_lm.models import gemma4_text
 
     text = variant_config(name, layers, vocab_size)
@@ -56,6 +57,9 @@ def build_pair(name: str, layers: int | None, bits: int | None, dtype=mx.bfloat1
     weights = [("model." + k.removeprefix("language_model."), v) for k, v in tree_flatten(ours.parameters())]
     theirs.load_weights(weights, strict=True)
     mx.eval(theirs.parameters())
+    if merge:
+        ours.merge_projections()
+        ours.materialize()
     return ours, theirs, text
 
 

@@ -188,13 +188,14 @@ def step_graph(model, cache: list, token: mx.array, ours: bool) -> mx.array:
     return model(token, cache=cache)
 
 
-def kernels_per_step(model, cache: list, ours: bool, token: int = 5) -> Counter:
-    """Kernels of one decode step of ``model`` over ``cache`` (see the module docstring)."""
+def kernels_per_step(model, cache: list, ours: bool, token: int = 5, tokens: int = 1) -> Counter:
+    """Kernels of one decode step of ``model`` over ``cache`` (see the module docstring), or of a
+    prefill chunk of ``tokens`` tokens."""
     with fast_ops_counted():
         c = _copy(cache)
-        logits = step_graph(model, c, mx.array([[token]]), ours)
+        logits = step_graph(model, c, mx.array([[token] * tokens]), ours)
         state = [x for layer in c for x in (layer.keys, layer.values)]
-        return count_kernels([logits, *state])
+        return count_kernels([logits, *state], one_token=tokens == 1)
 
 
 def build_time_ms(pairs: list, cache_of: dict, repeats: int = 15) -> dict[str, float]:
@@ -258,6 +259,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
     p.add_argument("--variants", nargs="+", default=list(VARIANTS), choices=list(VARIANTS))
     p.add_argument("--bits", type=int, default=4, help="quantization bits (0: bf16)")
     p.add_argument("--cached", type=int, default=1102, help="tokens in the cache before the step")
+    p.add_argument("--chunk", type=int, default=512, help="tokens of the prefill chunk whose kernels are counted")
     p.add_argument("--narrow", action="store_true", help="small widths, same layers: the same counts, quicker")
     p.add_argument("--vocab", type=int, default=262_144)
     p.add_argument("--decode-tokens", type=int, default=32, help="tokens decoded per run, PLE table mapped vs loaded (E2B/E4B)")
@@ -273,8 +275,12 @@ def main(argv: list[str] | None = None) -> list[dict]:
         caches = {"ours": cache_holding(ours, args.cached), "mlx_lm": cache_holding(theirs, args.cached)}
         k_ours = kernels_per_step(ours, caches["ours"], True)
         k_theirs = kernels_per_step(theirs, caches["mlx_lm"], False)
+        chunk = {
+            "ours": sum(kernels_per_step(ours, caches["ours"], True, tokens=args.chunk).values()),
+            "mlx_lm": sum(kernels_per_step(theirs, caches["mlx_lm"], False, tokens=args.chunk).values()),
+        }
         build = build_time_ms([("ours", ours, True), ("mlx_lm", theirs, False)], caches)
-        rows.append(dict(variant=name, layers=text["num_hidden_layers"], kernels=(k_ours, k_theirs), build_ms=build))
+        rows.append(dict(variant=name, layers=text["num_hidden_layers"], kernels=(k_ours, k_theirs), chunk=chunk, build_ms=build))
         print(_row(rows[-1]), flush=True)
         del ours, theirs, caches
         gc.collect()
@@ -299,8 +305,8 @@ PLE_HEADER = (
 )
 
 HEADER = (
-    "| variant | layers | kernels per decode step (ours / mlx-lm / ratio) | graph build ms (ours / mlx-lm / ratio) "
-    "| our kernels by kind |\n|---|---|---|---|---|"
+    "| variant | layers | kernels per decode step (ours / mlx-lm / ratio) | per prefill chunk (ours / mlx-lm / ratio) "
+    "| graph build ms per step (ours / mlx-lm / ratio) | our decode kernels by kind |\n|---|---|---|---|---|---|"
 )
 
 
@@ -308,9 +314,10 @@ def _row(r: dict) -> str:
     a, b = r["kernels"]
     ta, tb = r["build_ms"]["ours"], r["build_ms"]["mlx_lm"]
     kinds = ", ".join(f"{k} {n}" for k, n in a.most_common(8))
+    ca, cb = r["chunk"]["ours"], r["chunk"]["mlx_lm"]
     return (
         f"| {r['variant']} | {r['layers']} | {sum(a.values())} / {sum(b.values())} / {sum(a.values()) / sum(b.values()):.2f}x "
-        f"| {ta:.1f} / {tb:.1f} / {ta / tb:.2f}x | {kinds} |"
+        f"| {ca} / {cb} / {ca / cb:.2f}x | {ta:.1f} / {tb:.1f} / {ta / tb:.2f}x | {kinds} |"
     )
 
 

@@ -34,14 +34,18 @@ def load_config(model_path: Path) -> ModelConfig:
     return ModelConfig.from_file(model_path / "config.json")
 
 
-def load_model(model_path: str | Path, dtype: str | None = None, lazy: bool = False, lazy_ple: bool = True) -> Gemma4Model:
+def load_model(
+    model_path: str | Path, dtype: str | None = None, lazy: bool = False, lazy_ple: bool = True, merge_projections: bool = True
+) -> Gemma4Model:
     """Build the model from a local checkpoint folder and load its weights.
 
     ``dtype`` casts floating-point weights ("bfloat16", "float16", "float32"); by default the
     checkpoint's own dtype is kept. With ``lazy=True`` weights are read from disk on first use.
     With ``lazy_ple=True`` (E2B/E4B) the per-layer-embedding table stays on disk, memory-mapped,
     and only the rows of the tokens processed are read (see :mod:`.ple`); ``lazy_ple=False`` loads
-    it into memory (4.7 GB for E2B in bf16) for slightly faster lookups.
+    it into memory (4.7 GB for E2B in bf16) for slightly faster lookups. ``merge_projections``
+    runs each layer's q/k/v and gate/up as one matmul (:meth:`Gemma4Model.merge_projections`);
+    pass False to get the checkpoint's parameter names back (to save or modify weights).
     """
     model_path = Path(model_path).expanduser().absolute()
     if not model_path.is_dir():
@@ -66,6 +70,8 @@ def load_model(model_path: str | Path, dtype: str | None = None, lazy: bool = Fa
     check_weights(model, weights, model_path)
     model.load_weights(list(weights.items()), strict=True)
     adapt_to_device(model)
+    if merge_projections:
+        model.merge_projections()
     if not lazy:
         model.materialize()
     model.eval()
@@ -135,16 +141,18 @@ def load(
     lazy: bool = False,
     revision: str | None = None,
     lazy_ple: bool = True,
+    merge_projections: bool = True,
 ):
     """Load a Gemma 4 checkpoint: ``model, processor = load("google/gemma-4-E2B-it")``.
 
     ``path_or_repo_id`` is a local folder (HF original or converted) or a Hub repo id.
-    ``lazy_ple`` keeps the E2B/E4B per-layer-embedding table memory-mapped on disk (see ``load_model``).
+    ``lazy_ple`` keeps the E2B/E4B per-layer-embedding table memory-mapped on disk, and
+    ``merge_projections`` runs q/k/v and gate/up as one matmul each (see ``load_model``).
     """
     from ..processing.processor import Processor
 
     model_path = resolve_model_path(path_or_repo_id, revision=revision)
-    model = load_model(model_path, dtype=dtype, lazy=lazy, lazy_ple=lazy_ple)
+    model = load_model(model_path, dtype=dtype, lazy=lazy, lazy_ple=lazy_ple, merge_projections=merge_projections)
     processor = Processor.from_pretrained(model_path, model.config)
     return model, processor
 

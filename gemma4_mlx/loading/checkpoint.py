@@ -136,7 +136,13 @@ def check_weights(model: nn.Module, weights: dict[str, mx.array], model_path: Pa
             parts.append(f"missing {len(missing)} tensors (e.g. {', '.join(missing[:3])})")
         if unexpected:
             parts.append(f"{len(unexpected)} unexpected tensors (e.g. {', '.join(unexpected[:3])})")
-        raise CheckpointError(f"weights in {model_path} do not match its config.json: " + "; ".join(parts))
+        message = f"weights in {model_path} do not match its config.json: " + "; ".join(parts)
+        if any(k.endswith((".qkv_proj.weight", ".gate_up_proj.weight")) and ".switch_glu." not in k for k in unexpected):
+            message += (
+                ". These files were saved from a model whose projections were merged for running; save "
+                "from load(path, merge_projections=False) (or use python -m convert) instead"
+            )
+        raise CheckpointError(message)
     for k, v in expected.items():
         if v.shape != weights[k].shape:
             raise CheckpointError(

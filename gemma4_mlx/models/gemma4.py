@@ -62,6 +62,12 @@ class Gemma4Model(nn.Module):
     def layers(self):
         return self.language_model.layers
 
+    def merge_projections(self) -> None:
+        """Projections that read the same input as one matmul each (q/k/v, gate/up; values
+        unchanged, fewer kernels per step). Done by ``load_model``; parameter names change, so a
+        merged model is for running, not for saving or loading weights into."""
+        self.language_model.merge_projections()
+
     def materialize(self) -> None:
         """Evaluate every array the model holds: its parameters and the arrays modules keep outside
         them (RoPE tables and the like). A lazy array made on one thread cannot be evaluated on
