@@ -7,7 +7,16 @@
 """
 
 from .config import LayerSpec, ModelConfig, TextConfig
-from .errors import CheckpointError, ConfigError, ContextLengthError, MediaError, OptionError, TokenIdError, UnsupportedModelError
+from .errors import (
+    CheckpointError,
+    ConfigError,
+    ContextLengthError,
+    DrafterMismatchError,
+    MediaError,
+    OptionError,
+    TokenIdError,
+    UnsupportedModelError,
+)
 from .generation.chat import Chat, ChatEngine, ReplyOptions
 from .generation.options import GenerationOptions
 from .generation.stream import GenerationChunk, generate, stream_generate
@@ -35,6 +44,7 @@ __all__ = [
     "CheckpointError",
     "ConfigError",
     "ContextLengthError",
+    "DrafterMismatchError",
     "MediaError",
     "OptionError",
     "TokenIdError",

@@ -34,6 +34,10 @@ class OptionError(ValueError):
     """A generation option outside its allowed range (the message names the option and the range)."""
 
 
+class DrafterMismatchError(ValueError):
+    """A draft model (assistant) that was not made for the target model: widths, vocabulary or K/V shapes differ."""
+
+
 __all__ = [
     "UnsupportedModelError",
     "ConfigError",
@@ -42,4 +46,5 @@ __all__ = [
     "TokenIdError",
     "ContextLengthError",
     "OptionError",
+    "DrafterMismatchError",
 ]

@@ -183,3 +183,58 @@ def dequantized_reference(path, src):
     flat.load_weights(weights, strict=False)
     flat.merge_projections()
     return flat
+
+
+def allow_hf_assistants() -> None:
+    """transformers 5.23 cannot build a Gemma 4 assistant: ``Gemma4TextConfig.kv_sharing_modes``
+    raises when every layer is KV-shared (no layer produces K/V), which is exactly the assistant's
+    layout. Here such a config says "reuse" for every layer, what the assistant's code expects."""
+    from transformers.models.gemma4.configuration_gemma4 import Gemma4TextConfig
+
+    original = Gemma4TextConfig.kv_sharing_modes
+    if getattr(original.fget, "allows_assistants", False):
+        return
+
+    def kv_sharing_modes(self):
+        if self.num_kv_shared_layers == self.num_hidden_layers:
+            return ["reuse"] * self.num_hidden_layers
+        return original.fget(self)
+
+    kv_sharing_modes.allows_assistants = True
+    Gemma4TextConfig.kv_sharing_modes = property(kv_sharing_modes)
+
+
+def build_hf_assistant(family: str, ordered: bool = False, seed: int = 0, **overrides):
+    """A random fp32 ``Gemma4AssistantForCausalLM`` for a target of ``family``: 4 layers (3 sliding,
+    1 full) whose heads read the family's K/V, a narrower width, and with ``ordered`` the
+    centroid-sparse head (8 centroids of 128 tokens, top 2, a random token ordering)."""
+    from transformers import Gemma4AssistantConfig, Gemma4AssistantForCausalLM
+
+    allow_hf_assistants()
+    torch.manual_seed(seed)
+    target = text_config(family)
+    keep = ("num_key_value_heads", "head_dim", "global_head_dim", "sliding_window", "attention_k_eq_v", "num_global_key_value_heads")
+    tc = text_config(family, hidden_size=48, intermediate_size=64, num_hidden_layers=4, num_attention_heads=4,
+                     layer_types=[S, S, S, F], hidden_size_per_layer_input=0, vocab_size_per_layer_input=0,
+                     use_double_wide_mlp=False, enable_moe_block=False, num_kv_shared_layers=4,
+                     **{k: target[k] for k in keep if k in target})  # fmt: skip
+    for k in ("num_experts", "top_k_experts", "moe_intermediate_size"):
+        tc.pop(k, None)
+    tc.update(overrides)
+    config = Gemma4AssistantConfig(text_config=tc, backbone_hidden_size=target["hidden_size"], use_ordered_embeddings=ordered,
+                                   num_centroids=8, centroid_intermediate_top_k=2)  # fmt: skip
+    model = Gemma4AssistantForCausalLM(config)
+    g = torch.Generator().manual_seed(seed + 1)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith("q_norm.weight"):
+                p.copy_(torch.empty_like(p).uniform_(0.25, 0.6, generator=g))
+            elif name.endswith("norm.weight") or "layernorm" in name and name.endswith("weight"):
+                p.copy_(torch.empty_like(p).uniform_(0.5, 1.5, generator=g))
+            elif name.endswith("layer_scalar"):
+                p.copy_(torch.empty_like(p).uniform_(0.5, 1.0, generator=g))
+        if ordered:
+            model.masked_embedding.token_ordering.copy_(torch.randperm(VOCAB, generator=g))
+    model.eval()
+    model.config._attn_implementation = "eager"
+    return model

@@ -11,7 +11,7 @@ from numbers import Integral, Real
 from typing import Any, Callable
 
 import mlx.core as mx
-from mlx_lm.sample_utils import make_logits_processors, make_sampler
+from mlx_lm.sample_utils import apply_min_p, apply_top_k, apply_top_p, make_logits_processors, make_sampler
 
 from ..errors import OptionError
 from ..processing.image import SUPPORTED_SOFT_TOKENS
@@ -92,6 +92,26 @@ class GenerationOptions:
 
     def make_sampler(self) -> Callable[[mx.array], mx.array]:
         return self.sampler or make_sampler(temp=self.temperature, top_p=self.top_p, min_p=self.min_p, top_k=self.top_k)
+
+    def make_distribution(self) -> Callable[[mx.array], mx.array] | None:
+        """The distribution the sampler draws from, as log-probabilities: ``logprobs -> logprobs``
+        after mlx-lm's top-p, min-p and top-k filters and the temperature, in mlx-lm's order (None
+        when greedy). Speculative sampling needs it to accept drafted tokens exactly."""
+        if self.temperature == 0:
+            return None
+        top_p, min_p, top_k, temp = self.top_p, self.min_p, self.top_k, self.temperature
+
+        def distribution(logprobs: mx.array) -> mx.array:
+            if 0 < top_p < 1.0:
+                logprobs = apply_top_p(logprobs, top_p)
+            if min_p != 0.0:
+                logprobs = apply_min_p(logprobs, min_p)
+            if top_k > 0:
+                logprobs = apply_top_k(logprobs, top_k)
+            scaled = logprobs * (1.0 / temp)
+            return scaled - mx.logsumexp(scaled, axis=-1, keepdims=True)
+
+        return distribution
 
     def make_logits_processors(self) -> list[Callable]:
         penalty = make_logits_processors(

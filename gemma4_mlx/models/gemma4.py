@@ -75,9 +75,10 @@ class Gemma4Model(nn.Module):
         private = [v for _, m in self.named_modules() for k, v in m.items() if k.startswith("_") and isinstance(v, mx.array)]
         mx.eval(self.parameters(), private)
 
-    def make_cache(self) -> list:
-        """A fresh KV cache for incremental decoding (see :mod:`gemma4_mlx.cache`)."""
-        return make_cache(self.text_config)
+    def make_cache(self, sliding_slack: int = 0) -> list:
+        """A fresh KV cache for incremental decoding (see :mod:`gemma4_mlx.models.cache`);
+        ``sliding_slack`` more tokens in the sliding layers' ring buffers (speculative decoding)."""
+        return make_cache(self.text_config, sliding_slack)
 
     def media_mask(self, input_ids: mx.array) -> mx.array | None:
         """True at image/video/audio placeholder tokens (None for text-only checkpoints)."""
@@ -210,11 +211,13 @@ class Gemma4Model(nn.Module):
         inputs_embeds: mx.array | None = None,
         per_layer_token_inputs: mx.array | None = None,
         vision_blocks: np.ndarray | None = None,
-    ) -> mx.array:
+        return_hidden: bool = False,
+    ) -> mx.array | tuple[mx.array, mx.array]:
         """Logits [B, L, vocab] with no host sync: ids are not checked here (the request pipeline
         checks a prompt once), and ``vision_blocks`` ([B, L] image-block ids of this chunk, from
-        :meth:`vision_block_ids`) come precomputed."""
+        :meth:`vision_block_ids`) come precomputed. With ``return_hidden``, ``(hidden, logits)``:
+        the final normed hidden states too (what a drafter reads)."""
         if input_ids is not None:
             input_ids = self.text_token_ids(input_ids)
         h = self.language_model(input_ids, cache, inputs_embeds, per_layer_token_inputs, vision_blocks)
-        return self.logits(h)
+        return (h, self.logits(h)) if return_hidden else self.logits(h)

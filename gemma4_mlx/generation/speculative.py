@@ -1,0 +1,200 @@
+"""Speculative decoding with a Gemma 4 assistant (multi-token prediction).
+
+Each round, the drafter proposes ``K`` tokens from the target's last hidden state and K/V (read in
+place from the target's caches), the target checks them all in one forward pass of ``K + 1`` tokens,
+the longest acceptable prefix is kept plus one token of the target's own, and every cache is cut
+back to what was accepted. The round loop mirrors transformers' ``SinglePositionMultiTokenCandidate
+Generator``: the drafter's input is the target's embedding of the last seen token beside the target's
+hidden state that predicted it, its position is that token's, constant while it drafts.
+
+Acceptance keeps the target's output distribution exactly: greedy, a drafted token is kept when it
+is the target's argmax; sampling, the standard rule (Leviathan et al., 2023) keeps token ``d`` with
+probability ``min(1, p(d) / q(d))`` and on a rejection draws from ``max(p - q, 0)``, renormalised,
+where ``p`` and ``q`` are the target's and the drafter's distributions after the same logits
+processors, filters (top-p, min-p, top-k) and temperature. One host sync per round: the decision.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Callable, Generator
+
+import mlx.core as mx
+import numpy as np
+
+from ..models.assistant import target_source_spec
+from ..models.cache import in_temporal_order, trim_after_chunk
+from .decode import GENERATION_STREAM, prefill
+
+DEFAULT_DRAFT_TOKENS = 4
+
+
+@dataclass
+class SpeculativeStats:
+    """What the drafter achieved in one reply."""
+
+    target_steps: int = 0  # forward passes of the target after the prompt (verify steps)
+    drafted: int = 0  # tokens the drafter proposed
+    accepted: int = 0  # of those, kept
+
+    @property
+    def acceptance_rate(self) -> float:
+        return self.accepted / self.drafted if self.drafted else 0.0
+
+    @property
+    def tokens_per_step(self) -> float:
+        """Tokens generated per target forward pass (1.0 without a drafter)."""
+        return (self.accepted + self.target_steps) / self.target_steps if self.target_steps else 1.0
+
+
+def _source_caches(model, cache: list, layer_types) -> dict[str, Any]:
+    """For each drafter layer type, the target cache it reads (the last layer of that type owning K/V)."""
+    owners = [s.index for s in model.text_config.layers if not s.is_kv_shared]
+    return {t: cache[owners.index(target_source_spec(model.text_config, t).index)] for t in layer_types}
+
+
+def _drafter_kv(sources: dict[str, Any], window: int) -> dict[str, tuple[mx.array, mx.array]]:
+    """The target's K/V as the drafter reads them: every past token for full layers, the last
+    ``window + 1`` for sliding ones (transformers' bidirectional window, distance <= window)."""
+    kv = {}
+    for layer_type, c in sources.items():
+        keys, values = in_temporal_order(c)
+        if layer_type == "sliding_attention":
+            keys, values = keys[..., -(window + 1) :, :], values[..., -(window + 1) :, :]
+        kv[layer_type] = (keys, values)
+    return kv
+
+
+def speculative_tokens(
+    model,
+    drafter,
+    prompt: mx.array,
+    cache: list,
+    max_tokens: int,
+    sampler: Callable[[mx.array], mx.array],
+    logits_processors: list[Callable] | None = None,
+    distribution: Callable[[mx.array], mx.array] | None = None,
+    num_draft_tokens: int = DEFAULT_DRAFT_TOKENS,
+    prefill_step_size: int = 2048,
+    prompt_progress: Callable[[int, int], Any] | None = None,
+    inputs_embeds: mx.array | None = None,
+    history: mx.array | None = None,
+    vision_blocks: np.ndarray | None = None,
+    stats: SpeculativeStats | None = None,
+) -> Generator[tuple[int, mx.array], None, None]:
+    """Yield ``(token, logprobs)`` like :func:`~gemma4_mlx.generation.decode.generate_tokens`, with
+    ``drafter`` proposing ``num_draft_tokens`` tokens per target step (see the module docstring).
+
+    ``distribution`` (``GenerationOptions.make_distribution()``) is the sampler's distribution as
+    log-probabilities; None means greedy (``sampler`` is then only used for the first token)."""
+    if max_tokens <= 0:
+        return
+    if num_draft_tokens < 1:
+        raise ValueError(f"num_draft_tokens must be at least 1, not {num_draft_tokens}")
+    stats = stats if stats is not None else SpeculativeStats()
+    processors = logits_processors or []
+    history = mx.array(prompt if history is None else history)
+    window = model.text_config.sliding_window
+    sources = _source_caches(model, cache, drafter.layer_types)
+    embed = model.language_model.embed
+
+    def processed(logits: mx.array, context: mx.array) -> mx.array:
+        """Log-probabilities [1, V] after the logits processors, for the token after ``context``."""
+        for proc in processors:
+            logits = proc(context, logits)
+        return logits - mx.logsumexp(logits, axis=-1, keepdims=True)
+
+    prompt = mx.array(prompt)
+    with mx.stream(GENERATION_STREAM):
+        # All but the last two prompt tokens fill the cache; the last two (a multi-token update keeps
+        # the sliding buffers in temporal order) give the hidden state the drafter starts from.
+        tail = min(2, prompt.size)
+        blocks = None if vision_blocks is None else vision_blocks[:-tail]
+        prefill(model, prompt[:-tail], cache, prefill_step_size, prompt_progress, inputs_embeds, blocks)
+        hidden, logits = model.forward(
+            prompt[None, -tail:], cache, inputs_embeds=None if inputs_embeds is None else inputs_embeds[None, -tail:],
+            vision_blocks=None if vision_blocks is None else vision_blocks[None, -tail:], return_hidden=True,
+        )  # fmt: skip
+        logprobs = processed(logits[:, -1], history)
+        token = sampler(logprobs)
+        hidden = hidden[:, -1:]
+        mx.eval(token, hidden, logprobs)
+    produced = 1
+    history = mx.concatenate([history, token]) if processors else history
+    yield token.item(), logprobs.squeeze(0)
+
+    while produced < max_tokens:
+        k = min(num_draft_tokens, max_tokens - produced - 1)
+        with mx.stream(GENERATION_STREAM):
+            position = mx.array(cache[0].offset, dtype=mx.int32)
+            kv = _drafter_kv(sources, window)
+            drafts, draft_logprobs = [], []
+            last, state, context = token, hidden, history
+            for _ in range(k):
+                draft_logits, state = drafter(mx.concatenate([embed(last[None]), state], axis=-1), kv, position)
+                q = processed(draft_logits[:, -1], context)
+                if distribution is None:
+                    last = mx.argmax(q, axis=-1)
+                else:
+                    q = distribution(q)
+                    last = mx.random.categorical(q)
+                drafts.append(last)
+                draft_logprobs.append(q)
+                if processors:
+                    context = mx.concatenate([context, last])
+            candidates = mx.concatenate([token, *drafts])
+            hidden_all, logits = model.forward(candidates[None], cache, return_hidden=True)
+            target_logprobs, context = [], history
+            for i in range(k + 1):
+                target_logprobs.append(processed(logits[:, i], context))
+                if processors and i < k:
+                    context = mx.concatenate([context, drafts[i]])
+            accepted, fallback = _accept(drafts, draft_logprobs, target_logprobs, distribution)
+            mx.eval(accepted, fallback, candidates, target_logprobs)
+        n = int(accepted.item())
+        new_tokens = candidates[1 : n + 1].tolist() + [int(fallback[n].item())]
+        stats.target_steps += 1
+        stats.drafted += k
+        stats.accepted += n
+        trim_after_chunk(cache, k - n)
+        hidden = hidden_all[:, n : n + 1]
+        token = mx.array(new_tokens[-1:], dtype=candidates.dtype)
+        if processors:
+            history = mx.concatenate([history, mx.array(new_tokens, dtype=history.dtype)])
+        for i, t in enumerate(new_tokens):
+            produced += 1
+            yield t, target_logprobs[i].squeeze(0)
+            if produced >= max_tokens:
+                return
+        if stats.target_steps % 64 == 0:
+            mx.clear_cache()
+
+
+def _accept(drafts, draft_logprobs, target_logprobs, distribution):
+    """``(accepted, fallback)``: how many drafted tokens to keep (a scalar), and for every position
+    i the token to emit if the round stops there (the target's choice after the i kept drafts)."""
+    k = len(drafts)
+    p = mx.concatenate(target_logprobs)  # [k + 1, V]
+    if distribution is None:
+        choice = mx.argmax(p, axis=-1)
+        if k == 0:
+            return mx.array(0), choice
+        keep = mx.concatenate(drafts) == choice[:k]
+    else:
+        p = distribution(p)
+        if k == 0:
+            return mx.array(0), mx.random.categorical(p)
+        d = mx.concatenate(drafts)
+        q = mx.concatenate(draft_logprobs)  # [k, V], already the drafter's sampling distribution
+        p_d = mx.take_along_axis(p[:k], d[:, None], axis=-1)[:, 0]
+        q_d = mx.take_along_axis(q, d[:, None], axis=-1)[:, 0]
+        keep = mx.random.uniform(shape=(k,)) < mx.exp(mx.minimum(p_d - q_d, 0.0))
+        # On a rejection at i: a draw from max(p_i - q_i, 0); after all k kept: a draw from p_k.
+        residual = mx.maximum(mx.exp(p[:k]) - mx.exp(q), 0.0)
+        residual = mx.log(residual / mx.maximum(residual.sum(axis=-1, keepdims=True), 1e-30))
+        choice = mx.concatenate([mx.random.categorical(residual), mx.random.categorical(p[k:])])
+    accepted = mx.cumprod(keep.astype(mx.int32)).sum()
+    return accepted, choice
+
+
+__all__ = ["speculative_tokens", "SpeculativeStats", "DEFAULT_DRAFT_TOKENS"]
