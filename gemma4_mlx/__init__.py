@@ -21,6 +21,7 @@ from .generation.chat import Chat, ChatEngine, ReplyOptions
 from .generation.options import GenerationOptions
 from .generation.stream import GenerationChunk, generate, stream_generate
 from .loading import load, load_model
+from .loading.assistant import load_drafter
 from .models.gemma4 import Gemma4Model
 from .processing.processor import Processor
 
@@ -33,6 +34,7 @@ __all__ = [
     "ReplyOptions",
     "GenerationOptions",
     "load_model",
+    "load_drafter",
     "generate",
     "stream_generate",
     "GenerationChunk",

@@ -7,6 +7,7 @@ import sys
 from typing import Any
 
 from .generation.options import GenerationOptions
+from .generation.speculative import DEFAULT_DRAFT_TOKENS
 from .generation.stream import stream_generate
 
 
@@ -39,6 +40,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--repetition-penalty", type=float, default=None)
     p.add_argument("--seed", type=int, default=None)
     p.add_argument("--dtype", choices=["bfloat16", "float16", "float32"], default=None)
+    p.add_argument("--draft-model", default=None, help="a Gemma 4 assistant (folder or Hub id) for speculative decoding")
+    p.add_argument("--num-draft-tokens", type=int, default=DEFAULT_DRAFT_TOKENS, help="tokens drafted per target step (with --draft-model)")
     p.add_argument("--quiet", action="store_true", help="print only the generated text")
     args = p.parse_args(argv)
 
@@ -59,7 +62,8 @@ def main(argv: list[str] | None = None) -> int:
             content = media + [{"type": "text", "text": text}] if media else text
             prompt = ([{"role": "system", "content": args.system}] if args.system else []) + [{"role": "user", "content": content}]
         last = None
-        for chunk in stream_generate(model, processor, prompt, **options):
+        draft = dict(draft_model=args.draft_model, num_draft_tokens=args.num_draft_tokens) if args.draft_model else {}
+        for chunk in stream_generate(model, processor, prompt, **draft, **options):
             print(chunk.text, end="", flush=True)
             last = chunk
         print()

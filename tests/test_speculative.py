@@ -163,3 +163,74 @@ def test_a_drafter_for_another_model_is_refused(family, tmp_path):
     drafter = load_drafter(tmp_path)
     with pytest.raises(gemma4_mlx.DrafterMismatchError, match="hidden size of 32, the target has 64"):
         drafter.check_target(family.model.text_config)
+
+
+def test_stream_generate_with_a_draft_model(e2b, e2b_drafter, tmp_path):
+    """The public entry points: a drafter folder or a loaded drafter gives the text greedy decoding
+    gives alone, with acceptance statistics on the chunks; bad combinations fail with the option's name."""
+    hf, drafter = e2b_drafter
+    hf.save_pretrained(tmp_path)
+    messages = [{"role": "user", "content": "Hello there"}]
+    plain = gemma4_mlx.generate(e2b.model, e2b.processor, messages, max_tokens=24)
+    assert gemma4_mlx.generate(e2b.model, e2b.processor, messages, max_tokens=24, draft_model=str(tmp_path), num_draft_tokens=3) == plain
+    chunks = list(gemma4_mlx.stream_generate(e2b.model, e2b.processor, messages, max_tokens=24, draft_model=drafter))
+    assert "".join(c.text for c in chunks) == plain
+    last = chunks[-1]
+    assert last.draft is not None and last.draft.target_steps >= 1 and last.draft.drafted >= last.draft.accepted
+    assert "tokens per target step" in last.summary()
+    with pytest.raises(gemma4_mlx.OptionError, match="num_draft_tokens"):
+        gemma4_mlx.generate(e2b.model, e2b.processor, messages, draft_model=drafter, num_draft_tokens=0)
+    with pytest.raises(gemma4_mlx.OptionError, match="custom sampler"):
+        gemma4_mlx.generate(e2b.model, e2b.processor, messages, draft_model=drafter, sampler=lambda x: mx.argmax(x, -1))
+
+
+def test_command_line_draft_model(e2b, e2b_drafter, tmp_path):
+    import subprocess
+    import sys
+
+    hf, _ = e2b_drafter
+    hf.save_pretrained(tmp_path / "drafter")
+    base = [sys.executable, "-m", "gemma4_mlx", "--model", str(e2b.path), "--prompt", "Hi", "--max-tokens", "12"]
+    plain = subprocess.run(base, capture_output=True, text=True, check=True)
+    spec = subprocess.run(base + ["--draft-model", str(tmp_path / "drafter"), "--num-draft-tokens", "2"], capture_output=True, text=True, check=True)
+    assert spec.stdout == plain.stdout
+    assert "tokens per target step" in spec.stderr
+
+
+def test_chat_with_a_draft_model_reuses_prefixes_and_matches_plain_chat(e2b, e2b_drafter):
+    """Three turns (the second regenerated) with and without the drafter give the same replies; the
+    cache is reused across turns; a reply stopped in the middle of an accepted round leaves the
+    cache holding only what was shown, so the next turn still matches."""
+    _, drafter = e2b_drafter
+    turns = ["Hello there", "Tell me more", "And then?"]
+
+    def converse(chat):
+        replies = [chat.ask(turns[0], max_tokens=12)]
+        replies.append("".join(c.text for c in chat.regenerate(max_tokens=12) if c.part == "answer"))
+        for text in turns[1:]:
+            replies.append(chat.ask(text, max_tokens=12))
+        return replies, chat.last_stats
+
+    plain, _ = converse(gemma4_mlx.Chat(e2b.model, e2b.processor))
+    spec_chat = gemma4_mlx.Chat(e2b.model, e2b.processor, draft_model=drafter, num_draft_tokens=3)
+    spec, stats = converse(spec_chat)
+    assert spec == plain
+    assert stats.reused_tokens > 0 and stats.draft is not None and stats.draft.target_steps > 0
+    off = gemma4_mlx.Chat(e2b.model, e2b.processor, draft_model=drafter)
+    assert off.ask(turns[0], max_tokens=12, speculative=False) == plain[0] and off.last_stats.draft is None
+
+
+def test_stopping_inside_a_round_leaves_only_the_shown_tokens_in_the_cache(e2b):
+    """An oracle drafter makes whole rounds accepted; closing the stream after the first token of a
+    round cuts the cache back to the tokens the caller saw."""
+    model = e2b.model
+    prompt = mx.array(PROMPT)
+    plain = [t for t, _ in generate_tokens(model, prompt, model.make_cache(), 20, make_sampler(0.0))]
+    oracle = Oracle(plain, len(PROMPT), set(), model.text_config.vocab_size, {"sliding_attention", "full_attention"})
+    cache = model.make_cache(1)
+    tokens = speculative_tokens(model, oracle, prompt, cache, 20, make_sampler(0.0), num_draft_tokens=4)
+    seen = [next(tokens)[0], next(tokens)[0]]  # the first token, then the first of a 5-token round
+    tokens.close()
+    assert seen == plain[:2]
+    # The plain loop's invariant: the cache holds the prompt and every token shown (the last included).
+    assert cache[0].offset == len(PROMPT) + 2

@@ -25,8 +25,10 @@ from typing import Any, Iterator
 import mlx.core as mx
 import numpy as np
 
+from ..errors import OptionError
 from ..modalities import MODALITIES
 from .decode import GENERATION_STREAM, generate_tokens
+from .speculative import DEFAULT_DRAFT_TOKENS, SpeculativeStats, load_checked_drafter, speculative_tokens
 from .options import GenerationOptions
 from .pipeline import Timing, prepare_request
 from .prompt_cache import PromptCache
@@ -43,12 +45,17 @@ class ReplyStats:
     generation_tokens: int = 0
     generation_tps: float = 0.0
     peak_memory: float = 0.0  # GB (MLX's peak allocation during the reply)
+    draft: SpeculativeStats | None = None  # with a draft model: drafted and accepted tokens
 
     def summary(self) -> str:
+        draft = ""
+        if self.draft is not None:
+            d = self.draft
+            draft = f" · drafts {d.acceptance_rate:.0%} accepted, {d.tokens_per_step:.2f} tokens per step"
         return (
             f"{self.time_to_first_token:.2f} s to first token · prompt {self.prompt_tokens} tokens "
             f"({self.reused_tokens} reused), {self.prompt_tps:.1f} tok/s · {self.generation_tokens} tokens, "
-            f"{self.generation_tps:.1f} tok/s · peak {self.peak_memory:.2f} GB"
+            f"{self.generation_tps:.1f} tok/s{draft} · peak {self.peak_memory:.2f} GB"
         )
 
 
@@ -60,6 +67,7 @@ class ReplyOptions(GenerationOptions):
     max_tokens: int = 1024
     tools: list[dict] | None = None  # function declarations, rendered by the chat template
     reuse: bool = True  # False: prefill the whole conversation from a fresh cache
+    speculative: bool = True  # with the engine's draft model; False: the target alone
     stop_event: threading.Event | None = None
 
 
@@ -77,11 +85,18 @@ class ChatChunk:
 class ChatEngine:
     """Streams replies to conversations, reusing the KV cache of their common prefix."""
 
-    def __init__(self, model, processor, max_snapshots: int = 2):
+    def __init__(self, model, processor, max_snapshots: int = 2, draft_model=None, num_draft_tokens: int = DEFAULT_DRAFT_TOKENS):
+        """``draft_model`` (a Gemma 4 assistant: folder, Hub id or loaded drafter) speeds replies up
+        by speculative decoding, ``num_draft_tokens`` per target step (``speculative=False`` in a
+        reply's options turns it off for that reply)."""
         self.model = model
         self.processor = processor
         model.materialize()  # it is used from the engine's own thread
-        self.prompt_cache = PromptCache(model, max_snapshots)
+        self.drafter = load_checked_drafter(draft_model, model, num_draft_tokens)
+        self.num_draft_tokens = num_draft_tokens
+        if self.drafter is not None:
+            self.drafter.materialize()  # used from the engine's thread too
+        self.prompt_cache = PromptCache(model, max_snapshots, sliding_slack=1 if self.drafter is not None else 0)
         # Recent replies' text -> the token ids generated for it. When a conversation comes back with
         # one of them, it is rendered with these ids rather than its re-tokenized text, so the prompt
         # continues exactly what the cache holds (re-tokenizing generated text often gives other ids).
@@ -190,18 +205,29 @@ class ChatEngine:
             yield ChatChunk("", "answer", Reply(), stats, "stopped")
             return
         last_embeds = None if embeds is None else embeds[len(ids) - 1 - start :]
-        yield from self._decode(request, last_embeds, o.stop_event, timing, stats)
+        drafting = o.speculative and self.drafter is not None
+        if drafting and o.sampler is not None:
+            raise OptionError("a custom sampler cannot be used with a draft model: pass speculative=False")
+        yield from self._decode(request, last_embeds, o, timing, stats, drafting)
 
-    def _decode(self, request, last_embeds, stop_event, timing, stats) -> Iterator[ChatChunk]:
-        ids, pc = request.ids, self.prompt_cache
+    def _decode(self, request, last_embeds, o, timing, stats, drafting) -> Iterator[ChatChunk]:
+        ids, pc, stop_event = request.ids, self.prompt_cache, o.stop_event
         tool_response = self._tool_response_ids()
         eos = set(self.processor.eos_token_ids) | tool_response
         splitter = ReplySplitter(self.processor)
         generated: list[int] = []
-        tokens = generate_tokens(
-            self.model, mx.array(ids[-1:]), pc.cache, request.max_tokens, request.sampler, request.logits_processors,
-            inputs_embeds=last_embeds, history=mx.array(ids),
-        )  # fmt: skip
+        if drafting:
+            stats.draft = SpeculativeStats()
+            tokens = speculative_tokens(
+                self.model, self.drafter, mx.array(ids[-1:]), pc.cache, request.max_tokens, request.sampler,
+                request.logits_processors, o.make_distribution(), self.num_draft_tokens, inputs_embeds=last_embeds,
+                history=mx.array(ids), stats=stats.draft,
+            )  # fmt: skip
+        else:
+            tokens = generate_tokens(
+                self.model, mx.array(ids[-1:]), pc.cache, request.max_tokens, request.sampler, request.logits_processors,
+                inputs_embeds=last_embeds, history=mx.array(ids),
+            )  # fmt: skip
         try:
             for token, _ in tokens:
                 timing.token()
@@ -224,7 +250,9 @@ class ChatEngine:
                 pieces = [p for p in pieces if p[1]] or [(splitter.part, "")]
                 for i, (part, text) in enumerate(pieces):
                     # Copies: the caller reads them on another thread while this one goes on.
-                    yield ChatChunk(text, part, _copy_reply(splitter.reply), copy.copy(stats), finish if i == len(pieces) - 1 else None)
+                    snapshot = copy.copy(stats)
+                    snapshot.draft = copy.copy(stats.draft)
+                    yield ChatChunk(text, part, _copy_reply(splitter.reply), snapshot, finish if i == len(pieces) - 1 else None)
                 if finish:
                     break
             self._remember(splitter)
@@ -325,8 +353,11 @@ class Chat:
     can be overridden per call.
     """
 
-    def __init__(self, model, processor, system: str | None = None, engine: ChatEngine | None = None, **options):
-        self.engine = engine or ChatEngine(model, processor)
+    def __init__(
+        self, model, processor, system: str | None = None, engine: ChatEngine | None = None, draft_model=None,
+        num_draft_tokens: int = DEFAULT_DRAFT_TOKENS, **options,
+    ):  # fmt: skip
+        self.engine = engine or ChatEngine(model, processor, draft_model=draft_model, num_draft_tokens=num_draft_tokens)
         self.system = system
         self.messages: list[dict[str, Any]] = []
         ReplyOptions(**options)  # bad options fail here, not at the first reply
@@ -335,12 +366,13 @@ class Chat:
         self.last_reply: Reply | None = None
 
     @classmethod
-    def load(cls, path_or_repo: str, system: str | None = None, **options) -> "Chat":
-        """Load a model (see :func:`gemma4_mlx.load`) and start a conversation with it."""
+    def load(cls, path_or_repo: str, system: str | None = None, draft_model=None, **options) -> "Chat":
+        """Load a model (see :func:`gemma4_mlx.load`) and start a conversation with it
+        (``draft_model``: a Gemma 4 assistant for speculative decoding, see :class:`ChatEngine`)."""
         from ..loading import load
 
         model, processor = load(path_or_repo)
-        return cls(model, processor, system=system, **options)
+        return cls(model, processor, system=system, draft_model=draft_model, **options)
 
     def _conversation(self) -> list[dict[str, Any]]:
         return ([{"role": "system", "content": self.system}] if self.system else []) + self.messages

@@ -24,13 +24,14 @@ from .decode import prefill
 class PromptCache:
     """A model's KV cache, the token ids it holds, and snapshots to rewind it."""
 
-    def __init__(self, model, max_snapshots: int = 2):
+    def __init__(self, model, max_snapshots: int = 2, sliding_slack: int = 0):
         self.model = model
         self.max_snapshots = max_snapshots
+        self.sliding_slack = sliding_slack  # see Gemma4Model.make_cache
         self.reset()
 
     def reset(self) -> None:
-        self.cache = self.model.make_cache()
+        self.cache = self.model.make_cache(sliding_slack=self.sliding_slack)
         self.ids: list[int] = []
         self.snapshots: dict[int, list] = {}
 

@@ -22,7 +22,8 @@ from typing import Any, Callable, Generator
 import mlx.core as mx
 import numpy as np
 
-from ..models.assistant import target_source_spec
+from ..errors import OptionError
+from ..models.assistant import Assistant, target_source_spec
 from ..models.cache import in_temporal_order, trim_after_chunk
 from .decode import GENERATION_STREAM, prefill
 
@@ -119,8 +120,8 @@ def speculative_tokens(
         token = sampler(logprobs)
         hidden = hidden[:, -1:]
         mx.eval(token, hidden, logprobs)
+        history = mx.concatenate([history, token]) if processors else history
     produced = 1
-    history = mx.concatenate([history, token]) if processors else history
     yield token.item(), logprobs.squeeze(0)
 
     while produced < max_tokens:
@@ -151,23 +152,46 @@ def speculative_tokens(
                     context = mx.concatenate([context, drafts[i]])
             accepted, fallback = _accept(drafts, draft_logprobs, target_logprobs, distribution)
             mx.eval(accepted, fallback, candidates, target_logprobs)
-        n = int(accepted.item())
-        new_tokens = candidates[1 : n + 1].tolist() + [int(fallback[n].item())]
+            n = int(accepted.item())
+            new_tokens = candidates[1 : n + 1].tolist() + [int(fallback[n].item())]
+            trim_after_chunk(cache, k - n)
+            hidden = hidden_all[:, n : n + 1]
+            token = mx.array(new_tokens[-1:], dtype=candidates.dtype)
+            if processors:
+                history = mx.concatenate([history, mx.array(new_tokens, dtype=history.dtype)])
         stats.target_steps += 1
         stats.drafted += k
         stats.accepted += n
-        trim_after_chunk(cache, k - n)
-        hidden = hidden_all[:, n : n + 1]
-        token = mx.array(new_tokens[-1:], dtype=candidates.dtype)
-        if processors:
-            history = mx.concatenate([history, mx.array(new_tokens, dtype=history.dtype)])
         for i, t in enumerate(new_tokens):
             produced += 1
-            yield t, target_logprobs[i].squeeze(0)
+            # The cache holds this round's kept drafts; stopping before the last of them were emitted
+            # cuts it back, so that it holds no token the caller never saw (what a chat reuses).
+            unseen = max(0, n - 1 - i)
+            try:
+                yield t, target_logprobs[i].squeeze(0)
+            except GeneratorExit:
+                with mx.stream(GENERATION_STREAM):
+                    trim_after_chunk(cache, unseen)
+                raise
             if produced >= max_tokens:
+                with mx.stream(GENERATION_STREAM):
+                    trim_after_chunk(cache, unseen)
                 return
         if stats.target_steps % 64 == 0:
             mx.clear_cache()
+
+
+def load_checked_drafter(draft_model, model, num_draft_tokens: int):
+    """The loaded drafter for ``draft_model`` (None: no speculative decoding), checked against the target."""
+    if draft_model is None:
+        return None
+    if not (isinstance(num_draft_tokens, int) and not isinstance(num_draft_tokens, bool) and 1 <= num_draft_tokens <= 64):
+        raise OptionError(f"num_draft_tokens must be an integer from 1 to 64, not {num_draft_tokens!r}")
+    from ..loading.assistant import load_drafter
+
+    drafter = draft_model if isinstance(draft_model, Assistant) else load_drafter(draft_model)
+    drafter.check_target(model.text_config, name=f"the draft model {draft_model}" if not isinstance(draft_model, Assistant) else "the draft model")
+    return drafter
 
 
 def _accept(drafts, draft_logprobs, target_logprobs, distribution):
@@ -197,4 +221,4 @@ def _accept(drafts, draft_logprobs, target_logprobs, distribution):
     return accepted, choice
 
 
-__all__ = ["speculative_tokens", "SpeculativeStats", "DEFAULT_DRAFT_TOKENS"]
+__all__ = ["speculative_tokens", "load_checked_drafter", "SpeculativeStats", "DEFAULT_DRAFT_TOKENS"]

@@ -10,9 +10,11 @@ from typing import Any, Callable, Generator
 
 import mlx.core as mx
 
+from ..errors import OptionError
 from .decode import generate_tokens
 from .options import GenerationOptions
 from .pipeline import Timing, prepare_request
+from .speculative import DEFAULT_DRAFT_TOKENS, SpeculativeStats, load_checked_drafter, speculative_tokens
 
 
 @dataclass
@@ -28,12 +30,17 @@ class GenerationChunk:
     generation_tps: float
     peak_memory: float  # GB
     logprobs: mx.array | None = None
+    draft: SpeculativeStats | None = None  # with a draft model: acceptance so far
 
     def summary(self) -> str:
         """One line of statistics (the command line prints it after the text)."""
+        draft = ""
+        if self.draft is not None:
+            d = self.draft
+            draft = f" | drafts: {d.accepted}/{d.drafted} accepted ({d.acceptance_rate:.0%}), {d.tokens_per_step:.2f} tokens per target step"
         return (
             f"prompt: {self.prompt_tokens} tokens, {self.prompt_tps:.1f} tok/s | generation: {self.generation_tokens} "
-            f"tokens, {self.generation_tps:.1f} tok/s | peak memory {self.peak_memory:.2f} GB | finish: {self.finish_reason}"
+            f"tokens, {self.generation_tps:.1f} tok/s{draft} | peak memory {self.peak_memory:.2f} GB | finish: {self.finish_reason}"
         )
 
 
@@ -47,6 +54,8 @@ def stream_generate(
     images=None,
     audio=None,
     videos=None,
+    draft_model=None,
+    num_draft_tokens: int = DEFAULT_DRAFT_TOKENS,
     **options,
 ) -> Generator[GenerationChunk, None, None]:
     """Generate text token by token.
@@ -63,22 +72,38 @@ def stream_generate(
     Media come as ``{"type": "image" | "audio" | "video", ...}`` items of chat messages, or as
     ``images``/``audio``/``videos`` lists matching the prompt's placeholders. The encoders run once,
     before the prompt is prefilled.
+
+    ``draft_model`` (a Gemma 4 assistant: a folder, a Hub id such as
+    ``"google/gemma-4-E2B-it-assistant"``, or a drafter from :func:`~gemma4_mlx.load_drafter`)
+    turns on speculative decoding with ``num_draft_tokens`` drafted tokens per target step; the
+    output is what the target alone would give (the same greedy tokens, the same distribution when
+    sampling). Chunks then carry ``draft`` statistics.
     """
     opts = GenerationOptions(**options)
+    drafter = _drafter(draft_model, model, opts, num_draft_tokens)
     cached = cache[0].offset if cache else 0
     request = prepare_request(model, processor, prompt, opts, cached, images, audio, videos)
     ids = request.ids
     inputs_embeds = model.embed_multimodal(mx.array(ids), **request.media)[0] if request.media else None
-    cache = cache if cache is not None else model.make_cache()
+    cache = cache if cache is not None else model.make_cache(sliding_slack=1 if drafter is not None else 0)
     eos = processor.eos_token_ids
     detokenizer = processor.detokenizer
     detokenizer.reset()
 
     timing = Timing(prefilled=len(ids))
-    tokens = generate_tokens(
-        model, mx.array(ids), cache, request.max_tokens, request.sampler, request.logits_processors,
-        opts.prefill_step_size, prompt_progress, inputs_embeds, vision_blocks=request.vision_blocks,
-    )  # fmt: skip
+    stats = None
+    if drafter is None:
+        tokens = generate_tokens(
+            model, mx.array(ids), cache, request.max_tokens, request.sampler, request.logits_processors,
+            opts.prefill_step_size, prompt_progress, inputs_embeds, vision_blocks=request.vision_blocks,
+        )  # fmt: skip
+    else:
+        stats = SpeculativeStats()
+        tokens = speculative_tokens(
+            model, drafter, mx.array(ids), cache, request.max_tokens, request.sampler, request.logits_processors,
+            opts.make_distribution(), num_draft_tokens, opts.prefill_step_size, prompt_progress, inputs_embeds,
+            vision_blocks=request.vision_blocks, stats=stats,
+        )  # fmt: skip
     for tok, logprobs in tokens:
         timing.token()
         finish = None
@@ -100,9 +125,16 @@ def stream_generate(
             generation_tps=timing.generation_tps,
             peak_memory=timing.peak_memory,
             logprobs=logprobs,
+            draft=stats,
         )
         if finish:
             return
+
+
+def _drafter(draft_model, model, opts: GenerationOptions, num_draft_tokens):
+    if draft_model is not None and opts.sampler is not None:
+        raise OptionError("a custom sampler cannot be used with a draft model: accepting drafted tokens needs the distribution it draws from")
+    return load_checked_drafter(draft_model, model, num_draft_tokens)
 
 
 def generate(model, processor, prompt, verbose: bool = False, **kwargs) -> str:

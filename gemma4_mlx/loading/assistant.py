@@ -53,7 +53,7 @@ def load_drafter(path_or_repo_id: str | Path, dtype: str | None = None, revision
         nn.quantize(model, group_size=q.get("group_size", 64), bits=q.get("bits", 4), mode=q.get("mode", "affine"), class_predicate=quantized_here)
     check_weights(model, weights, model_path)
     model.load_weights(list(weights.items()), strict=True)
-    mx.eval(model.parameters())
+    model.materialize()
     model.eval()
     return model
 

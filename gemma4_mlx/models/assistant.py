@@ -115,6 +115,12 @@ class Assistant(nn.Module):
         if config.use_ordered_embeddings:
             self.masked_embedding = MaskedEmbedder(config)
 
+    def materialize(self) -> None:
+        """Evaluate every array the drafter holds, private ones too (RoPE tables): a lazy array made
+        on one thread cannot be evaluated on another (the chat engine's)."""
+        private = [v for _, m in self.named_modules() for k, v in m.items() if k.startswith("_") and isinstance(v, mx.array)]
+        mx.eval(self.parameters(), private)
+
     @property
     def layer_types(self) -> set[str]:
         return {layer.spec.layer_type for layer in self.model.layers}
