@@ -1,4 +1,5 @@
-"""Convert a Hugging Face Gemma 4 checkpoint into MLX weights, optionally quantized.
+"""Convert a Hugging Face Gemma 4 checkpoint (or a Gemma 4 assistant, the drafter for speculative
+decoding) into MLX weights, optionally quantized.
 
 The output folder holds sharded safetensors with an index, ``config.json`` (the original plus a
 ``quantization`` section), the tokenizer files, chat template and processor configs, and a short
@@ -22,7 +23,9 @@ import mlx.core as mx
 import mlx.nn as nn
 from mlx.utils import tree_flatten
 
+from gemma4_mlx.config import read_json
 from gemma4_mlx.loading import load_config, load_model, resolve_model_path
+from gemma4_mlx.loading.assistant import load_drafter
 from gemma4_mlx.loading.quantization import MODES, RECIPES, QuantizationPlan, quantize_model
 
 DTYPES = ("bfloat16", "float16", "float32")
@@ -181,6 +184,12 @@ def _model_card(source: str, config: dict, plan: QuantizationPlan | None, dtype:
     )
 
 
+def is_assistant(src: Path) -> bool:
+    """Whether ``src`` holds a Gemma 4 assistant (drafter) rather than a Gemma 4 model."""
+    raw = read_json(src / "config.json", what="a model config", missing=f"no config.json in {src}: is this a model folder?")
+    return isinstance(raw, dict) and raw.get("model_type") == "gemma4_assistant"
+
+
 def cast_and_quantize(
     model: nn.Module,
     dtype: str = "bfloat16",
@@ -229,11 +238,14 @@ def convert(
     check_output_folder(out, local if local.is_dir() else None, force)
     src = resolve_model_path(hf_path)
     check_output_folder(out, src, force)  # a Hub download lands in the cache: never write over it
-    load_config(src)  # a clear error for anything that is not Gemma 4, before reading weights
-    # The whole PLE table in memory: it is about to be written out (and maybe quantized).
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")  # the CPU expert upcast below is undone, its warning is noise here
-        model = load_model(src, dtype=dtype, lazy=True, lazy_ple=False, merge_projections=False)
+    if is_assistant(src):  # a drafter (google/gemma-4-*-it-assistant): small, loaded whole
+        model = load_drafter(src, dtype=dtype)
+    else:
+        load_config(src)  # a clear error for anything that is not Gemma 4, before reading weights
+        # The whole PLE table in memory: it is about to be written out (and maybe quantized).
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # the CPU expert upcast below is undone, its warning is noise here
+            model = load_model(src, dtype=dtype, lazy=True, lazy_ple=False, merge_projections=False)
     # load_model upcasts MoE experts to float32 on a CPU (a backend limit at run time); the files
     # must hold ``dtype`` whatever machine converts them. Every other float is ``dtype`` already.
     plan = cast_and_quantize(model, dtype, quantize, q_bits, q_group_size, q_mode, quant_recipe, quantize_towers)

@@ -234,3 +234,21 @@ def test_stopping_inside_a_round_leaves_only_the_shown_tokens_in_the_cache(e2b):
     assert seen == plain[:2]
     # The plain loop's invariant: the cache holds the prompt and every token shown (the last included).
     assert cache[0].offset == len(PROMPT) + 2
+
+
+@pytest.mark.parametrize("quantize", [False, True])
+def test_converted_drafters_load_and_draft(e2b, tmp_path, quantize):
+    """python -m convert learns assistants: a bf16 or 4-bit folder loads, fits the target, and
+    greedy speculative decoding with it still gives the plain tokens."""
+    from convert import convert
+
+    hf = build_hf_assistant("e2b", ordered=True, hidden_size=64)  # widths a multiple of the group size
+    hf.save_pretrained(tmp_path / "src")
+    out = convert(str(tmp_path / "src"), tmp_path / "mlx", dtype="bfloat16", quantize=quantize, q_group_size=32, progress=lambda _: None)
+    drafter = load_drafter(out)
+    if quantize:
+        assert drafter.model.layers[0].self_attn.q_proj.bits == 4 and "scales" in drafter.model.embed_tokens
+    drafter.check_target(e2b.model.text_config)
+    messages = [{"role": "user", "content": "Hello there"}]
+    plain = gemma4_mlx.generate(e2b.model, e2b.processor, messages, max_tokens=16)
+    assert gemma4_mlx.generate(e2b.model, e2b.processor, messages, max_tokens=16, draft_model=drafter) == plain

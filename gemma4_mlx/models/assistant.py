@@ -122,6 +122,10 @@ class Assistant(nn.Module):
         mx.eval(self.parameters(), private)
 
     @property
+    def layers(self):
+        return self.model.layers
+
+    @property
     def layer_types(self) -> set[str]:
         return {layer.spec.layer_type for layer in self.model.layers}
 
