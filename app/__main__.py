@@ -60,6 +60,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--port", type=_port, default=7860, help="port to listen on, 1-65535 (default: 7860)")
     p.add_argument("--share", action="store_true", help="also publish a temporary public gradio.live link")
     p.add_argument("--no-browser", action="store_true", help="do not open the browser")
+    p.add_argument("--draft-model", default=None, help="a Gemma 4 assistant (folder or Hub id) for speculative decoding "
+                   "(default: the model's own, <repo>-assistant, when it can be found)")  # fmt: skip
+    p.add_argument("--no-draft", action="store_true", help="no speculative decoding")
     args = p.parse_args(argv)
 
     # Checked before anything starts: Gradio would only fail after the model began loading, with a
@@ -74,7 +77,8 @@ def main(argv: list[str] | None = None) -> int:
         bits = 4
     from .ui import build_app, launch
 
-    holder = ModelHolder(args.model, bits, demo=args.demo, dtype=args.dtype).start()
+    draft = False if args.no_draft else (args.draft_model or True)
+    holder = ModelHolder(args.model, bits, demo=args.demo, dtype=args.dtype, draft=draft).start()
     app = build_app(holder)
     try:
         # Blocks until Ctrl-C (Gradio catches it and closes the server).

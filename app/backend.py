@@ -49,11 +49,16 @@ class _Cancelled(Exception):
 class ModelHolder:
     """Loads the model once, in a background thread, and reports progress for the page."""
 
-    def __init__(self, model: str | None, quantize_bits: int | None, demo: bool = False, dtype: str | None = None):
+    def __init__(self, model: str | None, quantize_bits: int | None, demo: bool = False, dtype: str | None = None, draft: str | bool = True):
+        """``draft``: the drafter for speculative decoding, a folder or Hub id; True looks for the
+        model's own assistant (``<repo>-assistant`` on the Hub, or a ``<folder>-assistant`` folder
+        beside a local model) and goes on without one if there is none; False: no drafter."""
         self.source = model
         self.quantize_bits = quantize_bits
         self.demo = demo
         self.dtype = dtype
+        self.draft = draft
+        self.drafter_name: str | None = None  # the drafter in use, once loaded
         self.status = "Starting…"
         self.error: str | None = None
         self.engine: ChatEngine | None = None
@@ -98,8 +103,10 @@ class ModelHolder:
             self.status = f"Loading {self.name}…"
             tic = time.perf_counter()
             model, processor = gemma4_mlx.load(path, dtype=self.dtype)
-            self.engine = ChatEngine(model, processor)
-            self.status = f"Ready: {self.name} ({time.perf_counter() - tic:.1f} s to load)"
+            drafter, why_not = self._drafter(model)
+            self.engine = ChatEngine(model, processor, draft_model=drafter)
+            with_drafter = f", drafting with {self.drafter_name}" if drafter is not None else (f" ({why_not})" if why_not else "")
+            self.status = f"Ready: {self.name} ({time.perf_counter() - tic:.1f} s to load){with_drafter}"
         except _Cancelled:
             self.error = "the app is exiting"
             self.status = f"Not loaded: {self.error}"
@@ -117,6 +124,35 @@ class ModelHolder:
             self.status = f"Could not load {self.name}: {self.error}"
         finally:
             self.ready.set()
+
+    def _drafter(self, model):
+        """``(drafter or None, why there is none)``: see ``draft`` in the constructor. A drafter that
+        cannot be found or does not fit the model leaves the app running without one."""
+        from gemma4_mlx import DrafterMismatchError, load_drafter
+        from gemma4_mlx.loading import resolve_model_path
+
+        if self.draft is False or (self.draft is True and self.demo):
+            return None, ""
+        if isinstance(self.draft, str):
+            candidates, explicit = [self.draft], True
+        else:
+            source = self.source or DEFAULT_MODEL
+            folder = Path(source).expanduser()
+            local = folder.parent / f"{folder.name}-assistant"
+            candidates, explicit = ([str(local)] if folder.exists() else [f"{source}-assistant"]), False
+        for candidate in candidates:
+            try:
+                self.status = f"Loading the drafter {candidate}…"
+                drafter = load_drafter(resolve_model_path(candidate, progress=self._download_progress))
+                drafter.check_target(model.text_config, name=f"the drafter {candidate}")
+            except (OSError, ValueError) as e:
+                if explicit or isinstance(e, DrafterMismatchError):
+                    print(f"\nNot using the drafter: {e}\n", file=sys.stderr, flush=True)
+                    return None, f"no drafter: {e}"
+                continue
+            self.drafter_name = candidate
+            return drafter, ""
+        return None, "no drafter found"
 
     def _converted_path(self) -> str | Path:
         """The model to load; HF checkpoints are converted (and cached) first when quantizing."""

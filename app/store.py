@@ -31,6 +31,7 @@ SETTINGS_DEFAULTS: dict[str, Any] = {
     "thinking": False,
     "image_tokens": 280,
     "tools": "",
+    "speculative": True,
 }
 SETTING_NAMES = list(SETTINGS_DEFAULTS)
 TITLE_LENGTH = 40

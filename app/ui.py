@@ -197,8 +197,10 @@ def _layout(holder: ModelHolder) -> Page:
             max_tokens = gr.Slider(1, 8192, value=defaults["max_tokens"], step=1, label="Max new tokens")
             image_tokens = gr.Dropdown(IMAGE_BUDGETS, value=defaults["image_tokens"], label="Image token budget (more = finer detail, slower)")
             tools = gr.Code(defaults["tools"], label="Tools: function declarations (JSON: one, or a list)", language="json", lines=6, elem_id="tools")
+            speculative = gr.Checkbox(label="Speculative decoding with the drafter (the same replies, faster; when one is loaded)",
+                                      value=defaults["speculative"], elem_id="speculative")  # fmt: skip
     by_name = {"system": system, "thinking": thinking, "temperature": temperature, "top_p": top_p, "top_k": top_k,
-               "max_tokens": max_tokens, "image_tokens": image_tokens, "tools": tools}  # fmt: skip
+               "max_tokens": max_tokens, "image_tokens": image_tokens, "tools": tools, "speculative": speculative}  # fmt: skip
     gr.Markdown(f"## Gemma 4 · {holder.name}", elem_id="title")
     status = gr.Markdown(holder.status, elem_id="status")
     summary = gr.Markdown(_summary(dict(defaults)), elem_id="conversation-settings")
@@ -283,6 +285,7 @@ class _Chat:
                 messages, max_tokens=int(settings["max_tokens"]), temperature=float(settings["temperature"]),
                 top_p=float(settings["top_p"]), top_k=int(settings["top_k"]), enable_thinking=bool(settings["thinking"]),
                 tools=tools, max_soft_tokens=int(settings["image_tokens"]), stop_event=stop,
+                speculative=bool(settings["speculative"]),
             )  # fmt: skip
             for chunk in stream:
                 history[reply_start:] = _reply_messages(chunk.reply, done=chunk.finish_reason is not None)

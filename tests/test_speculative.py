@@ -252,3 +252,49 @@ def test_converted_drafters_load_and_draft(e2b, tmp_path, quantize):
     messages = [{"role": "user", "content": "Hello there"}]
     plain = gemma4_mlx.generate(e2b.model, e2b.processor, messages, max_tokens=16)
     assert gemma4_mlx.generate(e2b.model, e2b.processor, messages, max_tokens=16, draft_model=drafter) == plain
+
+
+def test_speculative_bench_prints_both_bounds(capsys):
+    """``python -m gemma4_mlx.bench --speculative`` end to end on small shapes: the agreeing drafter
+    keeps every draft (K + 1 tokens per target step), the random one next to none."""
+    from gemma4_mlx.bench import speculative as bench
+
+    rows = bench.main(["--variants", "e2b", "--narrow", "--vocab", "2048", "--prompt-tokens", "16", "--gen-tokens", "10", "--draft-tokens", "3"])
+    out = capsys.readouterr().out
+    assert "agreeing drafter" in out and "| e2b | 10 | 3 |" in out
+    (row,) = rows
+    assert row["agreeing"][1].acceptance_rate == 1.0
+    assert row["random"][1].acceptance_rate < 0.5
+
+
+def test_app_finds_the_models_own_drafter(e2b, e2b_drafter, tmp_path):
+    """The app drafts with ``<folder>-assistant`` beside a local model when there is one (the
+    status says so), the same replies as without it; ``draft=False`` and a per-reply switch turn
+    it off; a drafter for another model is reported and left out."""
+    import shutil
+
+    from app.backend import ModelHolder
+
+    hf, _ = e2b_drafter
+    shutil.copytree(e2b.path, tmp_path / "model")
+    hf.save_pretrained(tmp_path / "model-assistant")
+    holder = ModelHolder(str(tmp_path / "model"), None).start()
+    plain = ModelHolder(str(tmp_path / "model"), None, draft=False).start()
+    holder.ready.wait(120)
+    plain.ready.wait(120)
+    assert holder.engine.drafter is not None and "drafting with" in holder.status
+    assert plain.engine.drafter is None
+    messages = [{"role": "user", "content": "Hello there"}]
+
+    def reply(h, **options):
+        return [c for c in h.engine.stream(messages, max_tokens=10, temperature=0.0, **options)][-1]
+
+    drafted, expected = reply(holder), reply(plain)
+    assert drafted.reply.content == expected.reply.content and drafted.stats.draft.target_steps > 0
+    assert reply(holder, speculative=False).stats.draft is None
+
+    other = build_hf_assistant("dense31b")
+    other.save_pretrained(tmp_path / "other")
+    mismatched = ModelHolder(str(tmp_path / "model"), None, draft=str(tmp_path / "other")).start()
+    mismatched.ready.wait(120)
+    assert mismatched.engine is not None and mismatched.engine.drafter is None and "no drafter" in mismatched.status
