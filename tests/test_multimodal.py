@@ -272,3 +272,14 @@ def test_http_media_are_bounded_and_never_left_behind(e2b_mm, tmp_path, http_ser
     with pytest.raises(MediaError, match="cannot read image"):
         p.prepare(messages_with({"type": "image", "url": f"{http_server}/text.png"}))
     assert leftovers() == before
+
+
+def test_speculative_decoding_after_a_multimodal_prompt(e2b_mm, tmp_path):
+    """With a drafter, a reply to an image-and-audio prompt is the reply without it (greedy)."""
+    from checkpoints import build_hf_assistant
+
+    build_hf_assistant("e2b").save_pretrained(tmp_path)
+    msgs = messages_with({"type": "image", "image": random_image(70, 100, 4)}, {"type": "audio", "audio": tone(0.4, 300)})
+    plain = gemma4_mlx.generate(e2b_mm.model, e2b_mm.processor, msgs, max_tokens=12)
+    chunks = list(gemma4_mlx.stream_generate(e2b_mm.model, e2b_mm.processor, msgs, max_tokens=12, draft_model=str(tmp_path), num_draft_tokens=3))
+    assert "".join(c.text for c in chunks) == plain and chunks[-1].draft.target_steps > 0
