@@ -36,7 +36,8 @@ from ..generation.speculative import SpeculativeStats, speculative_tokens
 from ..loading.quantization import QuantizationPlan, quantize_model
 from ..models.assistant import Assistant, AssistantConfig
 from ..variants import VARIANTS
-from .speed import build_pair, run_mlx_lm, run_ours
+from .speed import CPU_LAYERS, build_pair, run_mlx_lm, run_ours
+from .step import _copy, narrow
 
 DRAFTER_WIDTH = 256
 
@@ -95,8 +96,6 @@ def _speculative_run(model, drafter, prompt, n: int, k: int) -> tuple[float, Spe
 
 def verify_over_decode(model, prompt, k: int, repeats: int = 5) -> float:
     """Time of a target forward over ``k + 1`` tokens / time of a one-token step, same cache."""
-    from .step import _copy
-
     cache = model.make_cache(sliding_slack=1)
     mx.eval(model.forward(prompt[None], cache))
     times = {1: [], k + 1: []}
@@ -121,8 +120,6 @@ def main(argv: list[str] | None = None) -> list[dict]:
     p.add_argument("--vocab", type=int, default=262_144)
     p.add_argument("--narrow", action="store_true", help="small widths, same layers (a quick check, not a measurement)")
     args = p.parse_args(argv)
-    from .speed import CPU_LAYERS
-    from .step import narrow
 
     print(f"device: {mx.default_device()}, mlx {mx.__version__}, {f'{args.bits}-bit' if args.bits else 'bf16'}, "
           f"prompt {args.prompt_tokens}, generate {args.gen_tokens}, drafter width {DRAFTER_WIDTH}")  # fmt: skip
