@@ -337,3 +337,39 @@ def test_sampling_with_a_drafter_keeps_the_models_distribution():
             counts[row, a * 4 + b] += 1
     seen = counts.sum(axis=0) > 0
     assert chi2_contingency(counts[:, seen]).pvalue > 1e-4
+
+
+def test_the_sampling_distribution_is_what_the_sampler_draws_from():
+    """GenerationOptions.make_distribution (what acceptance compares) against mlx-lm's sampler with
+    the same temperature, top-p, min-p and top-k: 20000 draws on 6 tokens, chi-square at 1e-4;
+    filtered-out tokens are never drawn and have probability 0."""
+    from scipy.stats import chisquare
+
+    from gemma4_mlx.generation.options import GenerationOptions
+
+    logprobs = mx.log(mx.array([[0.35, 0.25, 0.2, 0.1, 0.06, 0.04]]))
+    for opts in (GenerationOptions(temperature=0.7, top_k=4), GenerationOptions(temperature=1.3, top_p=0.8),
+                 GenerationOptions(temperature=1.0, min_p=0.2, top_k=5)):  # fmt: skip
+        mx.random.seed(3)
+        p = np.array(mx.exp(opts.make_distribution()(logprobs)))[0].astype(np.float64)
+        draws = np.array(opts.make_sampler()(mx.broadcast_to(logprobs, (20000, 6))))
+        counts = np.bincount(draws, minlength=6)
+        assert np.all(counts[p == 0] == 0) and abs(p.sum() - 1) < 1e-5
+        kept = p > 0
+        expected = p[kept] / p[kept].sum() * counts[kept].sum()
+        assert chisquare(counts[kept], expected).pvalue > 1e-4, opts
+
+
+def test_greedy_with_a_repetition_penalty_equals_plain(e2b):
+    """Logits processors see, at each verified position, the context the plain loop would give them
+    (the drafted tokens before it): with an agreeing drafter and a repetition penalty, the same tokens."""
+    from mlx_lm.sample_utils import make_logits_processors
+
+    model = e2b.model
+    prompt = mx.array(PROMPT)
+    processors = make_logits_processors(repetition_penalty=1.8, repetition_context_size=6)
+    plain = [t for t, _ in generate_tokens(model, prompt, model.make_cache(), 30, make_sampler(0.0), processors)]
+    oracle = Oracle(plain, len(PROMPT), {5, 11}, model.text_config.vocab_size, {"sliding_attention", "full_attention"})
+    stats = SpeculativeStats()
+    spec = [t for t, _ in speculative_tokens(model, oracle, prompt, model.make_cache(1), 30, make_sampler(0.0), processors, num_draft_tokens=4, stats=stats)]
+    assert spec == plain and stats.accepted > 10
