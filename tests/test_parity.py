@@ -68,3 +68,13 @@ def test_greedy_generation_matches_hf_generate(family):
             assert float(top2[0] - top2[1]) < 1e-3, f"diverged at step {step} without a near-tie"
             return
     assert len(ours) == len(hf_tokens)
+
+
+def test_full_forward_in_query_blocks_matches_hf(family, monkeypatch):
+    """With a scores budget so small that every prefill attention runs in query blocks (the
+    long-context path), the logits still match transformers."""
+    import gemma4_mlx.ops.blockwise as blockwise
+
+    monkeypatch.setattr(blockwise, "SCORES_BUDGET", 4096)
+    ids = random_ids(SEQ, seed=5)
+    assert rel_err(family.model(mx.array(ids.numpy())), hf_logits(family.hf, ids)) < 1e-4

@@ -7,10 +7,14 @@ from __future__ import annotations
 import mlx.core as mx
 import mlx.nn as nn
 
+from . import blockwise
 from .compiled import compiled
 
 
 def attention(q, k, v, scale, mask):
+    # A long chunk's scores beyond the budget: computed in query blocks (see blockwise.py).
+    if q.shape[2] > 1 and blockwise.scores_bytes(q, k) > blockwise.SCORES_BUDGET:
+        return blockwise.attention_in_query_blocks(q, k, v, scale, mask, blockwise.query_block_size(q, k))
     return mx.fast.scaled_dot_product_attention(q, k, v, scale=scale, mask=mask)
 
 

@@ -1,0 +1,64 @@
+"""Attention in query blocks, so that a long prefill never holds all its attention scores at once.
+
+Without a fused kernel for its head size (MLX's CPU backend always; Metal for Gemma 4's 512-wide
+full-attention heads), ``mx.fast.scaled_dot_product_attention`` materialises the scores of every query
+against every key: a 2048-token chunk over 256K cached keys with 32 heads is 68 GB in float32. Cut
+into query blocks sized to a budget, each block's scores are computed, used and freed before the
+next: peak memory is the budget, whatever the context. Every query still sees all its keys in one
+softmax, so the result is what the direct call gives (up to float rounding of smaller matmuls).
+
+Written here because MLX has no memory-bounded attention for head sizes its fused kernels lack.
+"""
+
+from __future__ import annotations
+
+import os
+
+import mlx.core as mx
+
+# Bytes of float32 scores one attention call may hold (GEMMA4_MLX_ATTENTION_BUDGET_MB overrides).
+SCORES_BUDGET = int(float(os.environ.get("GEMMA4_MLX_ATTENTION_BUDGET_MB", "512")) * 2**20)
+
+
+def scores_bytes(q: mx.array, k: mx.array) -> int:
+    """Bytes of the float32 scores of ``q`` [B, H, L, D] against ``k`` [B, KV, S, D]."""
+    B, H, L, _ = q.shape
+    return B * H * L * k.shape[2] * 4
+
+
+def query_block_size(q: mx.array, k: mx.array, budget: int | None = None) -> int:
+    """Queries per block so that one block's scores fit ``budget`` (default :data:`SCORES_BUDGET`;
+    at least one query)."""
+    B, H, _, _ = q.shape
+    budget = SCORES_BUDGET if budget is None else budget
+    return max(1, budget // max(1, B * H * k.shape[2] * 4))
+
+
+def attention_in_query_blocks(q, k, v, scale: float, mask, block: int) -> mx.array:
+    """``mx.fast.scaled_dot_product_attention(q, k, v, scale, mask)`` computed ``block`` queries at a
+    time. ``mask``: None, "causal" (queries are the last L positions, as MLX aligns them) or an array
+    broadcastable to [B, H, L, S]. With "causal", each block also reads only the keys it can see."""
+    L, S = q.shape[2], k.shape[2]
+    outs = []
+    for start in range(0, L, block):
+        end = min(L, start + block)
+        qb = q[:, :, start:end]
+        if outs:
+            # Each block waits for the one before, so MLX frees a block's scores before it makes the
+            # next one's (left to itself it schedules all blocks' score matmuls first). Lazy: no sync.
+            qb = mx.depends(qb, outs[-1])
+        if mask is None:
+            out = mx.fast.scaled_dot_product_attention(qb, k, v, scale=scale)
+        elif isinstance(mask, str):
+            if mask != "causal":
+                raise ValueError(f"unknown attention mask {mask!r}")
+            visible = S - L + end  # the block's last query is at key position visible - 1
+            out = mx.fast.scaled_dot_product_attention(qb, k[:, :, :visible], v[:, :, :visible], scale=scale, mask="causal")
+        else:
+            mb = mask[..., start:end, :] if mask.ndim >= 2 and mask.shape[-2] == L else mask
+            out = mx.fast.scaled_dot_product_attention(qb, k, v, scale=scale, mask=mb)
+        outs.append(out)
+    return mx.concatenate(outs, axis=2)
+
+
+__all__ = ["attention_in_query_blocks", "query_block_size", "scores_bytes", "SCORES_BUDGET"]
