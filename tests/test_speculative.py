@@ -168,6 +168,9 @@ def test_a_drafter_for_another_model_is_refused(family, tmp_path):
     drafter = load_drafter(tmp_path)
     with pytest.raises(gemma4_mlx.DrafterMismatchError, match="hidden size of 32, the target has 64"):
         drafter.check_target(family.model.text_config)
+    # A model where its assistant was meant: the folder is named.
+    with pytest.raises(gemma4_mlx.UnsupportedModelError, match=f"{family.path}.*not a Gemma 4 assistant"):
+        load_drafter(family.path)
 
 
 def test_stream_generate_with_a_draft_model(e2b, e2b_drafter, tmp_path):

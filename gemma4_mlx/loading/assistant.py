@@ -13,7 +13,7 @@ import mlx.core as mx
 import mlx.nn as nn
 
 from ..config import read_json
-from ..errors import ConfigError
+from ..errors import ConfigError, UnsupportedModelError
 from ..models.assistant import Assistant, AssistantConfig
 from .checkpoint import check_weights, read_weights, weight_files
 from .hub import resolve_model_path
@@ -28,6 +28,8 @@ def load_drafter_config(model_path: Path) -> AssistantConfig:
         return AssistantConfig.from_dict(raw)
     except ConfigError as e:
         raise ConfigError(f"{path}: {e}") from None
+    except UnsupportedModelError as e:  # e.g. a Gemma 4 model given where its assistant was meant
+        raise UnsupportedModelError(f"{model_path}: {e}") from None
 
 
 def load_drafter(path_or_repo_id: str | Path, dtype: str | None = None, revision: str | None = None) -> Assistant:
