@@ -6,7 +6,7 @@ import ast
 from pathlib import Path
 
 PACKAGE = Path(__file__).resolve().parent.parent / "gemma4_mlx"
-TOOLS = ("gemma4_mlx.bench", "gemma4_mlx.testing", "gemma4_mlx.cli", "gemma4_mlx.__main__")
+TOOLS = ("gemma4_mlx.bench", "gemma4_mlx.testing", "gemma4_mlx.cli", "gemma4_mlx.__main__", "gemma4_mlx.memory.__main__")
 
 
 def module_name(path: Path) -> str:

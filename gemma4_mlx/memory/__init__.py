@@ -1,0 +1,189 @@
+"""How much memory a model needs at a given context, before running it.
+
+``estimate(path_or_config, context)`` adds up what generation holds:
+
+* **weights**: the tensors loaded from the checkpoint (from the safetensors headers, no data read),
+  or, with only a ``config.json``, the parameters of the model it describes (quantized as its
+  ``quantization`` section says); the E2B/E4B per-layer table stays on disk, memory-mapped, by default;
+* **KV cache**: per layer that owns K/V, keys and values of every token for full-attention layers
+  (grown as mlx-lm's cache grows them, in steps of 256) and of the window for sliding layers
+  (KV-shared layers hold none);
+* **workspace**: what one prefill chunk needs on top: its attention scores (bounded by the
+  blockwise-attention budget), the sliding buffers' transient chunk, and the chunk's activations.
+
+The KV figure is exact for this project's caches once the context passes the sliding window
+(tested; below it a sliding buffer may hold up to a window it does not use yet); the workspace is
+an estimate.
+``python -m gemma4_mlx.memory --model ... --context N`` prints it.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+from ..config import ModelConfig, TextConfig
+
+GB = 1e9
+_DTYPE_BYTES = {"BF16": 2, "F16": 2, "F32": 4, "U32": 4, "I32": 4, "U8": 1, "I8": 1, "I64": 8, "U16": 2}
+
+
+@dataclass
+class MemoryEstimate:
+    """Bytes a generation at ``context`` tokens needs, by part."""
+
+    context: int
+    weights: int
+    kv_cache: int
+    workspace: int
+
+    @property
+    def total(self) -> int:
+        return self.weights + self.kv_cache + self.workspace
+
+    def summary(self) -> str:
+        return (
+            f"{self.context} tokens: weights {self.weights / GB:.2f} GB + KV cache {self.kv_cache / GB:.2f} GB "
+            f"+ workspace {self.workspace / GB:.2f} GB = {self.total / GB:.2f} GB"
+        )
+
+
+def full_cache_tokens(context: int, prefill_step_size: int = 2048, step: int = 256) -> int:
+    """Tokens a full-attention layer's buffer holds after a prompt prefilled in chunks, then decoded
+    one token at a time, up to ``context`` tokens: mlx-lm's ``KVCache`` growth rule, replayed."""
+    size = offset = 0
+
+    def add(n: int) -> None:
+        nonlocal size, offset
+        if offset + n > size:
+            if offset % step:
+                size = offset
+            size += -(-n // step) * step
+        offset += n
+
+    for start in range(0, max(0, context - 1), prefill_step_size):
+        add(min(prefill_step_size, context - 1 - start))
+    if context:
+        add(1)
+    return size
+
+
+def kv_cache_bytes(text: TextConfig, context: int, bytes_per_value: int = 2, sliding_slack: int = 0, prefill_step_size: int = 2048) -> int:
+    """Bytes of the KV cache after ``context`` tokens (see the module docstring)."""
+    total = 0
+    full_tokens = full_cache_tokens(context, prefill_step_size)
+    for spec in text.layers:
+        if spec.is_kv_shared:
+            continue
+        per_token = 2 * spec.num_kv_heads * spec.head_dim * bytes_per_value
+        tokens = min(context, text.sliding_window + sliding_slack) if spec.is_sliding else full_tokens
+        total += per_token * tokens
+    return total
+
+
+def workspace_bytes(text: TextConfig, context: int, prefill_step_size: int = 2048, bytes_per_value: int = 2) -> int:
+    """An estimate of one prefill chunk's working memory at ``context`` tokens."""
+    from ..ops import blockwise
+
+    chunk = min(prefill_step_size, max(1, context))
+    heads = text.num_attention_heads
+    scores = min(heads * chunk * context * 4, max(blockwise.SCORES_BUDGET, heads * context * 4))
+    sliding = sum(2 * s.num_kv_heads * s.head_dim * bytes_per_value for s in text.layers if s.is_sliding and not s.is_kv_shared)
+    widest_mlp = max(s.mlp_size for s in text.layers)
+    activations = chunk * (3 * widest_mlp + 8 * text.hidden_size) * 4
+    logits = text.vocab_size * 4 * 2
+    return scores + sliding * chunk + activations + logits
+
+
+def weights_bytes(path: Path, config: ModelConfig, mapped_ple: bool = True) -> int:
+    """Bytes of the tensors in ``path``'s safetensors files (from their headers), without the
+    per-layer table when it stays memory-mapped; a folder with only ``config.json``: the bytes of
+    the parameters of the model it describes."""
+    files = sorted(path.glob("*.safetensors"))
+    if not files:
+        return _described_weights_bytes(config)
+    total = 0
+    for f in files:
+        with open(f, "rb") as fh:
+            header = json.loads(fh.read(int.from_bytes(fh.read(8), "little")))
+        for name, info in header.items():
+            if name == "__metadata__" or (mapped_ple and "embed_tokens_per_layer" in name):
+                continue
+            count = 1
+            for d in info["shape"]:
+                count *= d
+            total += count * _DTYPE_BYTES.get(info["dtype"], 2)
+    return total
+
+
+def _described_weights_bytes(config: ModelConfig) -> int:
+    """Parameter bytes of the (lazy, never evaluated) model ``config`` describes, bf16 or quantized."""
+    import mlx.nn as nn
+    from mlx.utils import tree_flatten
+
+    from ..models.gemma4 import Gemma4Model
+
+    model = Gemma4Model(config)
+    q = config.quantization
+    if q:
+        nn.quantize(model, group_size=q.get("group_size", 64), bits=q.get("bits", 4), mode=q.get("mode", "affine"),
+                    class_predicate=lambda p, m: hasattr(m, "to_quantized") and not p.startswith(("vision_tower", "audio_tower")))  # fmt: skip
+    else:
+        import mlx.core as mx
+
+        model.set_dtype(mx.bfloat16)
+    return sum(v.nbytes for k, v in tree_flatten(model.parameters()) if "embed_tokens_per_layer" not in k)
+
+
+def _resolve(path_or_config: str | Path) -> tuple[Path | None, ModelConfig]:
+    """``(model folder or None for a bare config.json, its config)``."""
+    from ..loading import resolve_model_path
+
+    path = Path(path_or_config).expanduser()
+    if path.is_file():
+        return None, ModelConfig.from_file(path)
+    folder = resolve_model_path(str(path_or_config))
+    return folder, ModelConfig.from_file(folder / "config.json")
+
+
+def estimate(path_or_config: str | Path, context: int, prefill_step_size: int = 2048, mapped_ple: bool = True) -> MemoryEstimate:
+    """The memory a generation at ``context`` tokens needs (a model folder, a Hub id, or a
+    ``config.json``); see the module docstring."""
+    folder, config = _resolve(path_or_config)
+    text = config.text_config
+    weights = weights_bytes(folder, config, mapped_ple) if folder is not None else _described_weights_bytes(config)
+    return MemoryEstimate(context, weights, kv_cache_bytes(text, context, prefill_step_size=prefill_step_size),
+                          workspace_bytes(text, context, prefill_step_size))  # fmt: skip
+
+
+def longest_context(path_or_config: str | Path, memory: float, prefill_step_size: int = 2048) -> int:
+    """The longest context (tokens, up to the model's maximum) whose estimate fits ``memory`` bytes
+    (0 when not even the weights fit)."""
+    folder, config = _resolve(path_or_config)
+    text = config.text_config
+    weights = weights_bytes(folder, config) if folder is not None else _described_weights_bytes(config)
+    lo, hi = 0, text.max_position_embeddings
+    while lo < hi:
+        mid = (lo + hi + 1) // 2
+        need = weights + kv_cache_bytes(text, mid, prefill_step_size=prefill_step_size) + workspace_bytes(text, mid, prefill_step_size)
+        lo, hi = (mid, hi) if need <= memory else (lo, mid - 1)
+    return lo
+
+
+def device_memory() -> int:
+    """Memory the default device can use: Metal's recommended working set, else physical memory."""
+    import os
+
+    import mlx.core as mx
+
+    try:
+        info = mx.device_info()
+        if "max_recommended_working_set_size" in info:
+            return int(info["max_recommended_working_set_size"])
+    except Exception:  # an MLX without device_info
+        pass
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+
+
+__all__ = ["MemoryEstimate", "estimate", "longest_context", "kv_cache_bytes", "workspace_bytes", "weights_bytes", "device_memory"]

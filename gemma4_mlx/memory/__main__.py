@@ -1,0 +1,33 @@
+"""``python -m gemma4_mlx.memory``: the memory a model needs at a context, and the longest context
+that fits (a model folder, a Hub id, or a bare config.json; no weights are read)."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+from . import GB, device_memory, estimate, longest_context
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m gemma4_mlx.memory", description=__doc__.split("\n\n")[0].strip("`"))
+    p.add_argument("--model", required=True, help="model folder, Hub repo id, or a config.json")
+    p.add_argument("--context", type=int, nargs="+", default=[4096, 32768, 131072], help="context lengths in tokens")
+    p.add_argument("--memory", type=float, default=None, help="GB available (default: this device's)")
+    p.add_argument("--prefill-step-size", type=int, default=2048)
+    args = p.parse_args(argv)
+    try:
+        for n in args.context:
+            if n < 1:
+                raise ValueError(f"--context must be positive, not {n}")
+            print(estimate(args.model, n, args.prefill_step_size).summary())
+        memory = args.memory * GB if args.memory else device_memory()
+        print(f"longest context within {memory / GB:.1f} GB: {longest_context(args.model, memory, args.prefill_step_size)} tokens")
+    except (OSError, ValueError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
