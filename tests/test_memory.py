@@ -5,6 +5,7 @@ import subprocess
 import sys
 
 import mlx.core as mx
+import pytest
 from mlx.utils import tree_flatten
 from mlx_lm.sample_utils import make_sampler
 
@@ -49,3 +50,21 @@ def test_memory_command_on_a_bare_config(tmp_path):
                          capture_output=True, text=True, check=True).stdout  # fmt: skip
     assert "4096 tokens: weights" in out and "longest context within 64.0 GB" in out
     assert memory.longest_context(tmp_path / "config.json", 1e9) == 0  # not even the weights fit
+
+
+def test_a_prompt_that_cannot_fit_is_refused_and_the_chat_goes_on(e2b, monkeypatch):
+    """With less free memory than the KV cache and workspace need, generation stops before
+    touching any cache, with an error that says how much is needed and what would fit; the
+    conversation is unchanged and replies once memory allows."""
+    messages = [{"role": "user", "content": "Hello there"}]
+    expected = gemma4_mlx.generate(e2b.model, e2b.processor, messages, max_tokens=8)
+    chat = gemma4_mlx.Chat(e2b.model, e2b.processor)
+    assert chat.ask("Hello there", max_tokens=8) == expected
+    monkeypatch.setattr(memory, "device_memory", lambda hard=False: mx.get_active_memory() + 1000)
+    with pytest.raises(gemma4_mlx.ContextLengthError, match=r"needs about .* GB .* tokens would fit"):
+        gemma4_mlx.generate(e2b.model, e2b.processor, messages, max_tokens=8)
+    with pytest.raises(gemma4_mlx.ContextLengthError, match="quantized weights"):
+        chat.ask("And now?", max_tokens=8)
+    assert len(chat.messages) == 2  # the refused turn left no trace
+    monkeypatch.undo()
+    assert chat.ask("And now?", max_tokens=8) and chat.last_stats.reused_tokens > 0

@@ -26,6 +26,7 @@ import mlx.core as mx
 import numpy as np
 
 from ..errors import OptionError
+from ..memory import check_fits
 from ..modalities import MODALITIES
 from .decode import GENERATION_STREAM, generate_tokens
 from .speculative import DEFAULT_DRAFT_TOKENS, SpeculativeStats, load_checked_drafter, speculative_tokens
@@ -185,6 +186,8 @@ class ChatEngine:
         # template renders the reply differently from how it was generated.
         turn_starts = [i for i, t in enumerate(ids) if t == self._turn_start_id]
         pc = self.prompt_cache
+        held = sum(c.nbytes for c in pc.cache if c.keys is not None)
+        check_fits(self.model, len(ids) + request.max_tokens, held, o.prefill_step_size)  # before the cache changes
         if not o.reuse:
             pc.reset()
         try:

@@ -11,6 +11,7 @@ from typing import Any, Callable, Generator
 import mlx.core as mx
 
 from ..errors import OptionError
+from ..memory import check_fits
 from .decode import generate_tokens
 from .options import GenerationOptions
 from .pipeline import Timing, prepare_request
@@ -84,6 +85,8 @@ def stream_generate(
     cached = cache[0].offset if cache else 0
     request = prepare_request(model, processor, prompt, opts, cached, images, audio, videos)
     ids = request.ids
+    held = sum(c.nbytes for c in cache if c.keys is not None) if cache else 0
+    check_fits(model, cached + len(ids) + request.max_tokens, held, opts.prefill_step_size)
     inputs_embeds = model.embed_multimodal(mx.array(ids), **request.media)[0] if request.media else None
     cache = cache if cache is not None else model.make_cache(sliding_slack=1 if drafter is not None else 0)
     eos = processor.eos_token_ids

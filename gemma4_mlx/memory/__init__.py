@@ -91,7 +91,7 @@ def workspace_bytes(text: TextConfig, context: int, prefill_step_size: int = 204
     scores = min(heads * chunk * context * 4, max(blockwise.SCORES_BUDGET, heads * context * 4))
     sliding = sum(2 * s.num_kv_heads * s.head_dim * bytes_per_value for s in text.layers if s.is_sliding and not s.is_kv_shared)
     widest_mlp = max(s.mlp_size for s in text.layers)
-    activations = chunk * (3 * widest_mlp + 8 * text.hidden_size) * 4
+    activations = chunk * (3 * widest_mlp + 8 * text.hidden_size) * bytes_per_value  # gate, up, their product; residuals
     logits = text.vocab_size * 4 * 2
     return scores + sliding * chunk + activations + logits
 
@@ -171,19 +171,54 @@ def longest_context(path_or_config: str | Path, memory: float, prefill_step_size
     return lo
 
 
-def device_memory() -> int:
-    """Memory the default device can use: Metal's recommended working set, else physical memory."""
+def check_fits(model, context: int, held_bytes: int = 0, prefill_step_size: int = 2048) -> None:
+    """Raise :class:`~gemma4_mlx.errors.ContextLengthError` when a generation reaching ``context``
+    tokens would need more memory for its KV cache and workspace than the device has free (the
+    loaded weights and ``held_bytes`` of cache already in use count as used), saying what would fit:
+    better than being killed by the operating system halfway through a prefill."""
+    import mlx.core as mx
+
+    from ..errors import ContextLengthError
+
+    text = model.text_config
+    value_bytes = 4 if model.language_model.embed_tokens.weight.dtype == mx.float32 else 2
+    needed = kv_cache_bytes(text, context, value_bytes, prefill_step_size=prefill_step_size) + workspace_bytes(text, context, prefill_step_size, value_bytes)
+    # Against all of the machine's memory, not Metal's recommended working set: past the first MLX
+    # still runs (slower), past the second nothing does. No refusal on a guess that might be wrong.
+    free = device_memory(hard=True) - mx.get_active_memory() + held_bytes
+    if needed <= free:
+        return
+    fits, lo = 0, 1
+    hi = context
+    while lo <= hi:  # the longest context whose cache and workspace fit what is free
+        mid = (lo + hi) // 2
+        if kv_cache_bytes(text, mid, value_bytes, prefill_step_size=prefill_step_size) + workspace_bytes(text, mid, prefill_step_size, value_bytes) <= free:
+            fits, lo = mid, mid + 1
+        else:
+            hi = mid - 1
+    raise ContextLengthError(
+        f"a context of {context} tokens (prompt and max_tokens) needs about {needed / GB:.1f} GB for its KV cache and "
+        f"working memory, and {max(free, 0) / GB:.1f} GB is free on this device: about {fits} tokens would fit. "
+        "Use a shorter prompt or fewer max_tokens, a smaller model, or quantized weights (python -m convert -q)"
+    )
+
+
+def device_memory(hard: bool = False) -> int:
+    """Memory the default device can use: on Apple silicon Metal's recommended working set (with
+    ``hard``, all of the machine's memory, the limit past which nothing can run), else the physical
+    memory."""
     import os
 
     import mlx.core as mx
 
     try:
         info = mx.device_info()
-        if "max_recommended_working_set_size" in info:
-            return int(info["max_recommended_working_set_size"])
+        key = "memory_size" if hard else "max_recommended_working_set_size"
+        if key in info:
+            return int(info[key])
     except Exception:  # an MLX without device_info
         pass
     return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
 
 
-__all__ = ["MemoryEstimate", "estimate", "longest_context", "kv_cache_bytes", "workspace_bytes", "weights_bytes", "device_memory"]
+__all__ = ["MemoryEstimate", "estimate", "longest_context", "check_fits", "kv_cache_bytes", "workspace_bytes", "weights_bytes", "device_memory"]
