@@ -18,22 +18,24 @@ VARIANTS = {
         hidden_size=1536, intermediate_size=6144, num_hidden_layers=35, layer_types=[S, S, S, S, F] * 7,
         num_attention_heads=8, num_key_value_heads=1, head_dim=256, global_head_dim=512,
         num_kv_shared_layers=20, hidden_size_per_layer_input=256, use_double_wide_mlp=True, sliding_window=512,
+        max_position_embeddings=131_072,
     ),
     "e4b": dict(
         hidden_size=2560, intermediate_size=10240, num_hidden_layers=42, layer_types=([S] * 5 + [F]) * 7,
         num_attention_heads=8, num_key_value_heads=2, head_dim=256, global_head_dim=512,
         num_kv_shared_layers=18, hidden_size_per_layer_input=256, use_double_wide_mlp=True, sliding_window=512,
+        max_position_embeddings=131_072,
     ),
     "26b-a4b": dict(
         hidden_size=2816, intermediate_size=2112, num_hidden_layers=30, layer_types=([S] * 5 + [F]) * 5,
         num_attention_heads=16, num_key_value_heads=8, num_global_key_value_heads=2, head_dim=256, global_head_dim=512,
         attention_k_eq_v=True, enable_moe_block=True, num_experts=128, top_k_experts=8, moe_intermediate_size=704,
-        hidden_size_per_layer_input=0, sliding_window=1024,
+        hidden_size_per_layer_input=0, sliding_window=1024, max_position_embeddings=262_144,
     ),
     "31b": dict(
         hidden_size=5376, intermediate_size=21504, num_hidden_layers=60, layer_types=([S] * 5 + [F]) * 10,
         num_attention_heads=32, num_key_value_heads=16, num_global_key_value_heads=4, head_dim=256, global_head_dim=512,
-        attention_k_eq_v=True, hidden_size_per_layer_input=0, sliding_window=1024,
+        attention_k_eq_v=True, hidden_size_per_layer_input=0, sliding_window=1024, max_position_embeddings=262_144,
     ),
 }
 

@@ -50,6 +50,7 @@ def test_memory_command_on_a_bare_config(tmp_path):
                          capture_output=True, text=True, check=True).stdout  # fmt: skip
     assert "4096 tokens: weights" in out and "longest context within 64.0 GB" in out
     assert memory.longest_context(tmp_path / "config.json", 1e9) == 0  # not even the weights fit
+    assert memory.longest_context(tmp_path / "config.json", 1e15) == 262144  # the 31B's whole context
 
 
 def test_a_prompt_that_cannot_fit_is_refused_and_the_chat_goes_on(e2b, monkeypatch):
