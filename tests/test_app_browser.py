@@ -164,8 +164,9 @@ def test_conversations_settings_export_and_restart(tmp_path):
             page.locator("#thinking input").check()
             page.locator("#system textarea").click()  # back in the box, then out: saved on blur
             page.locator("#conversation-name input").click()
+            # Two events (the box's blur, the checkbox's change), each updating the line when it is handled.
             _wait_until(lambda: "You are a pirate." in page.locator("#conversation-settings").inner_text())
-            assert "Thinking: on" in page.locator("#conversation-settings").inner_text()
+            _wait_until(lambda: "Thinking: on" in page.locator("#conversation-settings").inner_text())
             # A second conversation, with other settings.
             page.locator("#new-chat").click()
             _wait_until(lambda: chat.get_by_text("First conversation").count() == 0)
