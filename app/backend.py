@@ -133,26 +133,24 @@ class ModelHolder:
 
         if self.draft is False or (self.draft is True and self.demo):
             return None, ""
-        if isinstance(self.draft, str):
-            candidates, explicit = [self.draft], True
+        explicit = isinstance(self.draft, str)
+        if explicit:
+            candidate = self.draft
         else:
             source = self.source or DEFAULT_MODEL
             folder = Path(source).expanduser()
-            local = folder.parent / f"{folder.name}-assistant"
-            candidates, explicit = ([str(local)] if folder.exists() else [f"{source}-assistant"]), False
-        for candidate in candidates:
-            try:
-                self.status = f"Loading the drafter {candidate}…"
-                drafter = load_drafter(resolve_model_path(candidate, progress=self._download_progress))
-                drafter.check_target(model.text_config, name=f"the drafter {candidate}")
-            except (OSError, ValueError) as e:
-                if explicit or isinstance(e, DrafterMismatchError):
-                    print(f"\nNot using the drafter: {e}\n", file=sys.stderr, flush=True)
-                    return None, f"no drafter: {e}"
-                continue
-            self.drafter_name = candidate
-            return drafter, ""
-        return None, "no drafter found"
+            candidate = str(folder.parent / f"{folder.name}-assistant") if folder.exists() else f"{source}-assistant"
+        try:
+            self.status = f"Loading the drafter {candidate}…"
+            drafter = load_drafter(resolve_model_path(candidate, progress=self._download_progress))
+            drafter.check_target(model.text_config, name=f"the drafter {candidate}")
+        except (OSError, ValueError) as e:
+            if not explicit and not isinstance(e, DrafterMismatchError):
+                return None, "no drafter found"  # the model has no assistant here: fine
+            print(f"\nNot using the drafter: {e}\n", file=sys.stderr, flush=True)
+            return None, f"no drafter: {e}"
+        self.drafter_name = candidate
+        return drafter, ""
 
     def _converted_path(self) -> str | Path:
         """The model to load; HF checkpoints are converted (and cached) first when quantizing."""

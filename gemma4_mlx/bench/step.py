@@ -32,6 +32,8 @@ from pathlib import Path
 
 import mlx.core as mx
 
+from ..models.text import materialize as evaluate_module
+
 # Primitives that only make a view: no kernel on a GPU.
 VIEWS = {"Broadcast", "Reshape", "Flatten", "Unflatten", "ExpandDims", "Squeeze", "Slice", "Transpose", "AsStrided",
          "Split", "StopGradient", "Depends", "View"}  # fmt: skip
@@ -143,7 +145,7 @@ def materialize(*models) -> None:
     """Evaluate every array the models hold, private ones too (RoPE tables): they are inputs of a
     step, not part of it."""
     for model in models:
-        mx.eval(model.parameters(), [v for _, m in model.named_modules() for k, v in m.items() if isinstance(v, mx.array)])
+        evaluate_module(model)
 
 
 def cache_holding(model, n: int, dtype=mx.bfloat16) -> list:

@@ -186,8 +186,7 @@ class ChatEngine:
         # template renders the reply differently from how it was generated.
         turn_starts = [i for i, t in enumerate(ids) if t == self._turn_start_id]
         pc = self.prompt_cache
-        held = sum(c.nbytes for c in pc.cache if c.keys is not None)
-        check_fits(self.model, len(ids) + request.max_tokens, held, o.prefill_step_size)  # before the cache changes
+        check_fits(self.model, len(ids) + request.max_tokens, pc.cache, o.prefill_step_size)  # before the cache changes
         if not o.reuse:
             pc.reset()
         try:

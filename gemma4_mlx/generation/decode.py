@@ -73,6 +73,14 @@ def _chunk_end(blocks: np.ndarray, n: int) -> int:
     return end
 
 
+def processed_logprobs(logits: mx.array, processors: list[Callable] | None, context: mx.array) -> mx.array:
+    """Log-probabilities of the token after ``context``: the logits processors (mlx-lm's repetition
+    penalty and the caller's), then normalised."""
+    for proc in processors or ():
+        logits = proc(context, logits)
+    return logits - mx.logsumexp(logits, axis=-1, keepdims=True)
+
+
 def generate_tokens(
     model,
     prompt: mx.array,
@@ -102,10 +110,7 @@ def generate_tokens(
     def step(tokens: mx.array, embeds: mx.array | None = None):
         nonlocal history
         logits = model.forward(tokens[None], cache, inputs_embeds=None if embeds is None else embeds[None])[:, -1, :]
-        if logits_processors:
-            for proc in logits_processors:
-                logits = proc(history, logits)
-        logprobs = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
+        logprobs = processed_logprobs(logits, logits_processors, history)
         token = sampler(logprobs)
         if logits_processors:
             history = mx.concatenate([history, token])

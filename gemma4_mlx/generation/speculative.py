@@ -25,7 +25,7 @@ import numpy as np
 from ..errors import OptionError
 from ..models.assistant import Assistant, target_source_spec
 from ..models.cache import in_temporal_order, trim_after_chunk
-from .decode import GENERATION_STREAM, prefill
+from .decode import GENERATION_STREAM, prefill, processed_logprobs
 
 DEFAULT_DRAFT_TOKENS = 4
 
@@ -100,10 +100,7 @@ def speculative_tokens(
     embed = model.language_model.embed
 
     def processed(logits: mx.array, context: mx.array) -> mx.array:
-        """Log-probabilities [1, V] after the logits processors, for the token after ``context``."""
-        for proc in processors:
-            logits = proc(context, logits)
-        return logits - mx.logsumexp(logits, axis=-1, keepdims=True)
+        return processed_logprobs(logits, processors, context)
 
     prompt = mx.array(prompt)
     with mx.stream(GENERATION_STREAM):
@@ -173,9 +170,7 @@ def speculative_tokens(
                 with mx.stream(GENERATION_STREAM):
                     trim_after_chunk(cache, unseen)
                 raise
-            if produced >= max_tokens:
-                with mx.stream(GENERATION_STREAM):
-                    trim_after_chunk(cache, unseen)
+            if produced >= max_tokens:  # k left room for all of them: nothing unseen in the cache
                 return
         if stats.target_steps % 64 == 0:
             mx.clear_cache()
@@ -189,8 +184,11 @@ def load_checked_drafter(draft_model, model, num_draft_tokens: int):
         raise OptionError(f"num_draft_tokens must be an integer from 1 to 64, not {num_draft_tokens!r}")
     from ..loading.assistant import load_drafter
 
-    drafter = draft_model if isinstance(draft_model, Assistant) else load_drafter(draft_model)
-    drafter.check_target(model.text_config, name=f"the draft model {draft_model}" if not isinstance(draft_model, Assistant) else "the draft model")
+    if isinstance(draft_model, Assistant):
+        drafter, name = draft_model, "the draft model"
+    else:
+        drafter, name = load_drafter(draft_model), f"the draft model {draft_model}"
+    drafter.check_target(model.text_config, name=name)
     return drafter
 
 

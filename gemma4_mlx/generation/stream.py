@@ -85,8 +85,7 @@ def stream_generate(
     cached = cache[0].offset if cache else 0
     request = prepare_request(model, processor, prompt, opts, cached, images, audio, videos)
     ids = request.ids
-    held = sum(c.nbytes for c in cache if c.keys is not None) if cache else 0
-    check_fits(model, cached + len(ids) + request.max_tokens, held, opts.prefill_step_size)
+    check_fits(model, cached + len(ids) + request.max_tokens, cache, opts.prefill_step_size)
     inputs_embeds = model.embed_multimodal(mx.array(ids), **request.media)[0] if request.media else None
     cache = cache if cache is not None else model.make_cache(sliding_slack=1 if drafter is not None else 0)
     eos = processor.eos_token_ids

@@ -10,13 +10,13 @@ from __future__ import annotations
 from pathlib import Path
 
 import mlx.core as mx
-import mlx.nn as nn
 
 from ..config import read_json
 from ..errors import ConfigError, UnsupportedModelError
 from ..models.assistant import Assistant, AssistantConfig
 from .checkpoint import check_weights, read_weights, weight_files
 from .hub import resolve_model_path
+from .quantization import quantize_like_checkpoint
 
 
 def load_drafter_config(model_path: Path) -> AssistantConfig:
@@ -44,15 +44,8 @@ def load_drafter(path_or_repo_id: str | Path, dtype: str | None = None, revision
         weights.pop("lm_head.weight", None)  # tied to model.embed_tokens
     if "masked_embedding.token_ordering" in weights:  # int64 in transformers' files
         weights["masked_embedding.token_ordering"] = weights["masked_embedding.token_ordering"].astype(mx.int32)
-    if config.quantization:
-        q = config.quantization
-
-        def quantized_here(path: str, module: nn.Module):
-            if not hasattr(module, "to_quantized") or f"{path}.scales" not in weights:
-                return False
-            return q.get(path, True) if isinstance(q.get(path), dict) else True
-
-        nn.quantize(model, group_size=q.get("group_size", 64), bits=q.get("bits", 4), mode=q.get("mode", "affine"), class_predicate=quantized_here)
+    if config.quantization:  # the drafter's module names are the checkpoint's: no renaming
+        quantize_like_checkpoint(model, config.quantization, weights, names=str)
     check_weights(model, weights, model_path)
     model.load_weights(list(weights.items()), strict=True)
     model.materialize()

@@ -75,13 +75,14 @@ def quantize_model(model: nn.Module, plan: QuantizationPlan) -> QuantizationPlan
 
 
 
-def quantize_like_checkpoint(model: nn.Module, quantization: dict[str, Any], weights: dict[str, mx.array]) -> None:
+def quantize_like_checkpoint(model: nn.Module, quantization: dict[str, Any], weights: dict[str, mx.array], names=rename) -> None:
     """Swap in quantized layers wherever the checkpoint holds quantized weights (mlx-lm format).
 
     Per-module overrides in ``quantization`` are keyed by the writer's module names (ours,
-    mlx-vlm's ``language_model.model.*`` or mlx-lm's ``model.*``): they are renamed to ours first.
+    mlx-vlm's ``language_model.model.*`` or mlx-lm's ``model.*``): ``names`` maps them to ours
+    (the default, :func:`rename`, knows the Gemma 4 layouts).
     """
-    overrides = {rename(k): v for k, v in quantization.items() if isinstance(v, dict)}
+    overrides = {names(k): v for k, v in quantization.items() if isinstance(v, dict)}
 
     def predicate(path: str, module: nn.Module):
         if not hasattr(module, "to_quantized") or f"{path}.scales" not in weights:

@@ -19,14 +19,12 @@ an estimate.
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass
 from pathlib import Path
 
 from ..config import ModelConfig, TextConfig
 
 GB = 1e9
-_DTYPE_BYTES = {"BF16": 2, "F16": 2, "F32": 4, "U32": 4, "I32": 4, "U8": 1, "I8": 1, "I64": 8, "U16": 2}
 
 
 @dataclass
@@ -96,25 +94,32 @@ def workspace_bytes(text: TextConfig, context: int, prefill_step_size: int = 204
     return scores + sliding * chunk + activations + logits
 
 
+def context_bytes(text: TextConfig, context: int, prefill_step_size: int = 2048, bytes_per_value: int = 2) -> int:
+    """KV cache and workspace at ``context`` tokens: what a context adds to the weights."""
+    return kv_cache_bytes(text, context, bytes_per_value, prefill_step_size=prefill_step_size) + workspace_bytes(
+        text, context, prefill_step_size, bytes_per_value
+    )
+
+
+def _longest_within(text: TextConfig, budget: float, limit: int, prefill_step_size: int, bytes_per_value: int = 2) -> int:
+    """The longest context up to ``limit`` whose :func:`context_bytes` fit ``budget`` (0 if none)."""
+    lo, hi = 0, limit
+    while lo < hi:
+        mid = (lo + hi + 1) // 2
+        lo, hi = (mid, hi) if context_bytes(text, mid, prefill_step_size, bytes_per_value) <= budget else (lo, mid - 1)
+    return lo
+
+
 def weights_bytes(path: Path, config: ModelConfig, mapped_ple: bool = True) -> int:
-    """Bytes of the tensors in ``path``'s safetensors files (from their headers), without the
-    per-layer table when it stays memory-mapped; a folder with only ``config.json``: the bytes of
-    the parameters of the model it describes."""
+    """Bytes of the tensors in ``path``'s safetensors files (``mx.load`` is lazy: only their headers
+    are read), without the per-layer table when it stays memory-mapped; a folder with only
+    ``config.json``: the bytes of the parameters of the model it describes."""
+    from ..loading.checkpoint import read_weights
+
     files = sorted(path.glob("*.safetensors"))
     if not files:
         return _described_weights_bytes(config)
-    total = 0
-    for f in files:
-        with open(f, "rb") as fh:
-            header = json.loads(fh.read(int.from_bytes(fh.read(8), "little")))
-        for name, info in header.items():
-            if name == "__metadata__" or (mapped_ple and "embed_tokens_per_layer" in name):
-                continue
-            count = 1
-            for d in info["shape"]:
-                count *= d
-            total += count * _DTYPE_BYTES.get(info["dtype"], 2)
-    return total
+    return sum(v.nbytes for k, v in read_weights(files).items() if not (mapped_ple and "embed_tokens_per_layer" in k))
 
 
 def _described_weights_bytes(config: ModelConfig) -> int:
@@ -163,18 +168,13 @@ def longest_context(path_or_config: str | Path, memory: float, prefill_step_size
     folder, config = _resolve(path_or_config)
     text = config.text_config
     weights = weights_bytes(folder, config) if folder is not None else _described_weights_bytes(config)
-    lo, hi = 0, text.max_position_embeddings
-    while lo < hi:
-        mid = (lo + hi + 1) // 2
-        need = weights + kv_cache_bytes(text, mid, prefill_step_size=prefill_step_size) + workspace_bytes(text, mid, prefill_step_size)
-        lo, hi = (mid, hi) if need <= memory else (lo, mid - 1)
-    return lo
+    return _longest_within(config.text_config, memory - weights, config.text_config.max_position_embeddings, prefill_step_size)
 
 
-def check_fits(model, context: int, held_bytes: int = 0, prefill_step_size: int = 2048) -> None:
+def check_fits(model, context: int, cache: list | None = None, prefill_step_size: int = 2048) -> None:
     """Raise :class:`~gemma4_mlx.errors.ContextLengthError` when a generation reaching ``context``
     tokens would need more memory for its KV cache and workspace than the device has free (the
-    loaded weights and ``held_bytes`` of cache already in use count as used), saying what would fit:
+    loaded weights and ``cache``, the cache it continues, count as used), saying what would fit:
     better than being killed by the operating system halfway through a prefill."""
     import mlx.core as mx
 
@@ -182,20 +182,14 @@ def check_fits(model, context: int, held_bytes: int = 0, prefill_step_size: int 
 
     text = model.text_config
     value_bytes = 4 if model.language_model.embed_tokens.weight.dtype == mx.float32 else 2
-    needed = kv_cache_bytes(text, context, value_bytes, prefill_step_size=prefill_step_size) + workspace_bytes(text, context, prefill_step_size, value_bytes)
+    needed = context_bytes(text, context, prefill_step_size, value_bytes)
+    held = sum(c.nbytes for c in cache or () if c.keys is not None)
     # Against all of the machine's memory, not Metal's recommended working set: past the first MLX
     # still runs (slower), past the second nothing does. No refusal on a guess that might be wrong.
-    free = device_memory(hard=True) - mx.get_active_memory() + held_bytes
+    free = device_memory(hard=True) - mx.get_active_memory() + held
     if needed <= free:
         return
-    fits, lo = 0, 1
-    hi = context
-    while lo <= hi:  # the longest context whose cache and workspace fit what is free
-        mid = (lo + hi) // 2
-        if kv_cache_bytes(text, mid, value_bytes, prefill_step_size=prefill_step_size) + workspace_bytes(text, mid, prefill_step_size, value_bytes) <= free:
-            fits, lo = mid, mid + 1
-        else:
-            hi = mid - 1
+    fits = _longest_within(text, free, context, prefill_step_size, value_bytes)
     raise ContextLengthError(
         f"a context of {context} tokens (prompt and max_tokens) needs about {needed / GB:.1f} GB for its KV cache and "
         f"working memory, and {max(free, 0) / GB:.1f} GB is free on this device: about {fits} tokens would fit. "
@@ -221,4 +215,4 @@ def device_memory(hard: bool = False) -> int:
     return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
 
 
-__all__ = ["MemoryEstimate", "estimate", "longest_context", "check_fits", "kv_cache_bytes", "workspace_bytes", "weights_bytes", "device_memory"]
+__all__ = ["MemoryEstimate", "estimate", "longest_context", "check_fits", "context_bytes", "kv_cache_bytes", "workspace_bytes", "weights_bytes", "device_memory"]

@@ -22,7 +22,7 @@ import mlx.nn as nn
 from .. import ops
 from ..config import FULL, SLIDING, TextConfig, UnsupportedModelError, split_known_keys
 from ..errors import ConfigError, DrafterMismatchError
-from .text import DecoderLayer
+from .text import DecoderLayer, materialize
 
 TARGET = -1  # kv_source of a drafter layer: the target model's K/V
 
@@ -116,10 +116,8 @@ class Assistant(nn.Module):
             self.masked_embedding = MaskedEmbedder(config)
 
     def materialize(self) -> None:
-        """Evaluate every array the drafter holds, private ones too (RoPE tables): a lazy array made
-        on one thread cannot be evaluated on another (the chat engine's)."""
-        private = [v for _, m in self.named_modules() for k, v in m.items() if k.startswith("_") and isinstance(v, mx.array)]
-        mx.eval(self.parameters(), private)
+        """Evaluate every array the drafter holds (see :func:`~gemma4_mlx.models.text.materialize`)."""
+        materialize(self)
 
     @property
     def layers(self):

@@ -56,4 +56,4 @@ def in_temporal_order(c) -> tuple:
     wrapped in place, after single-token steps, is reordered: a copy)."""
     if isinstance(c, RotatingKVCache):
         return c._temporal_order(c.keys), c._temporal_order(c.values)
-    return c.keys[..., : c.offset, :], c.values[..., : c.offset, :]
+    return c.keys_and_values()

@@ -17,7 +17,7 @@ from ..modalities import MODALITIES
 from .audio import AudioConfig, AudioTower, encode_audio
 from .cache import make_cache
 from .multimodal import MultimodalEmbedder
-from .text import TextModel, softcap
+from .text import TextModel, materialize, softcap
 from .vision import VisionConfig, VisionTower, encode_images
 
 
@@ -69,11 +69,8 @@ class Gemma4Model(nn.Module):
         self.language_model.merge_projections()
 
     def materialize(self) -> None:
-        """Evaluate every array the model holds: its parameters and the arrays modules keep outside
-        them (RoPE tables and the like). A lazy array made on one thread cannot be evaluated on
-        another, so models that are used from other threads (the chat engine) must be materialized."""
-        private = [v for _, m in self.named_modules() for k, v in m.items() if k.startswith("_") and isinstance(v, mx.array)]
-        mx.eval(self.parameters(), private)
+        """Evaluate every array the model holds (see :func:`~gemma4_mlx.models.text.materialize`)."""
+        materialize(self)
 
     def make_cache(self, sliding_slack: int = 0) -> list:
         """A fresh KV cache for incremental decoding (see :mod:`gemma4_mlx.models.cache`);

@@ -23,6 +23,14 @@ from ..ops.compiled import compiled
 from ..config import FULL, SLIDING, LayerSpec, TextConfig, UnsupportedModelError
 
 
+def materialize(module: nn.Module) -> None:
+    """Evaluate every array a module tree holds: its parameters and the arrays modules keep outside
+    them (RoPE tables and the like). A lazy array made on one thread cannot be evaluated on another,
+    so models used from other threads (the chat engine) must be materialized."""
+    private = [v for _, m in module.named_modules() for k, v in m.items() if k.startswith("_") and isinstance(v, mx.array)]
+    mx.eval(module.parameters(), private)
+
+
 @compiled(shapeless=True)
 def softcap(x: mx.array, cap: float) -> mx.array:
     return mx.tanh(x / cap) * cap
@@ -453,4 +461,4 @@ class TextModel(nn.Module):
         return ops.rms_norm(h, self.norm.weight, self.config.rms_norm_eps)
 
 
-__all__ = ["TextModel", "DecoderLayer", "Attention", "MLP", "Router", "Experts", "make_rope", "softcap", "FULL", "SLIDING"]
+__all__ = ["materialize", "TextModel", "DecoderLayer", "Attention", "MLP", "Router", "Experts", "make_rope", "softcap", "FULL", "SLIDING"]
