@@ -42,6 +42,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--dtype", choices=["bfloat16", "float16", "float32"], default=None)
     p.add_argument("--draft-model", default=None, help="a Gemma 4 assistant (folder or Hub id) for speculative decoding")
     p.add_argument("--num-draft-tokens", type=int, default=DEFAULT_DRAFT_TOKENS, help="tokens drafted per target step (with --draft-model)")
+    p.add_argument("--kv-bits", type=int, default=None, help="quantize the KV cache to 8 or 4 bits per value (long contexts in less memory)")
+    p.add_argument("--kv-group-size", type=int, default=64, help="values sharing a scale in the quantized KV cache: 32, 64, 128")
     p.add_argument("--quiet", action="store_true", help="print only the generated text")
     args = p.parse_args(argv)
 
@@ -50,7 +52,8 @@ def main(argv: list[str] | None = None) -> int:
         options = dict(
             max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
             min_p=args.min_p, repetition_penalty=args.repetition_penalty, seed=args.seed,
-            enable_thinking=args.thinking, max_soft_tokens=args.image_tokens,
+            enable_thinking=args.thinking, max_soft_tokens=args.image_tokens, kv_bits=args.kv_bits,
+            kv_group_size=args.kv_group_size,
         )  # fmt: skip
         GenerationOptions(**options)  # bad values fail here, before the model loads
         model, processor = load(args.model, dtype=args.dtype)

@@ -24,6 +24,7 @@ from typing import Any, Iterator
 
 import mlx.core as mx
 import numpy as np
+from mlx_lm.utils import maybe_set_recommended_wired_limit
 
 from ..errors import OptionError
 from ..memory import check_fits
@@ -93,6 +94,8 @@ class ChatEngine:
         self.model = model
         self.processor = processor
         model.materialize()  # it is used from the engine's own thread
+        # On Apple silicon, keep the weights wired (resident) for the engine's life, as mlx-lm's server does.
+        maybe_set_recommended_wired_limit()
         self.drafter = load_checked_drafter(draft_model, model, num_draft_tokens)
         self.num_draft_tokens = num_draft_tokens
         if self.drafter is not None:
@@ -186,9 +189,10 @@ class ChatEngine:
         # template renders the reply differently from how it was generated.
         turn_starts = [i for i, t in enumerate(ids) if t == self._turn_start_id]
         pc = self.prompt_cache
-        check_fits(self.model, len(ids) + request.max_tokens, pc.cache, o.prefill_step_size)  # before the cache changes
-        if not o.reuse:
-            pc.reset()
+        quantization = (o.kv_bits, o.kv_group_size)
+        check_fits(self.model, len(ids) + request.max_tokens, pc.cache, o.prefill_step_size, *quantization)  # before the cache changes
+        if not o.reuse or pc.kv_quantization != quantization:
+            pc.reset(*quantization)  # a cache quantized otherwise cannot be continued
         try:
             start = pc.reuse(ids)
             embeds = self._embed_new_part(ids, start, request.media)

@@ -14,6 +14,7 @@ import mlx.core as mx
 from mlx_lm.sample_utils import apply_min_p, apply_top_k, apply_top_p, make_logits_processors, make_sampler
 
 from ..errors import OptionError
+from ..models.cache import KV_BITS, KV_GROUP_SIZES
 from ..processing.image import SUPPORTED_SOFT_TOKENS
 
 MAX_SEED = 2**64 - 1  # mx.random.seed takes an unsigned 64-bit integer
@@ -50,6 +51,8 @@ def check_generation_options(
     seed: Any = None,
     prefill_step_size: Any = 2048,
     max_soft_tokens: Any = None,
+    kv_bits: Any = None,
+    kv_group_size: Any = 64,
 ) -> None:
     """Raise :class:`~gemma4_mlx.errors.OptionError` naming the first option outside its range."""
     _integer("max_tokens", max_tokens, 1)
@@ -63,12 +66,17 @@ def check_generation_options(
     _integer("prefill_step_size", prefill_step_size, 1)
     if max_soft_tokens is not None and max_soft_tokens not in SUPPORTED_SOFT_TOKENS:
         raise OptionError(f"max_soft_tokens (the image token budget) must be one of {SUPPORTED_SOFT_TOKENS} or None, not {max_soft_tokens!r}")
+    if kv_bits is not None and (isinstance(kv_bits, bool) or kv_bits not in KV_BITS):
+        raise OptionError(f"kv_bits (the KV cache's bits per value) must be one of {', '.join(map(str, KV_BITS))} or None (unquantized), not {kv_bits!r}")
+    if isinstance(kv_group_size, bool) or kv_group_size not in KV_GROUP_SIZES:
+        raise OptionError(f"kv_group_size must be one of {', '.join(map(str, KV_GROUP_SIZES))}, not {kv_group_size!r}")
 
 
 @dataclass
 class GenerationOptions:
     """How to generate: limits, sampling (greedy at ``temperature=0``, else mlx-lm's sampler with
-    top-p, top-k and min-p), the repetition penalty, the seed, thinking and the image token budget."""
+    top-p, top-k and min-p), the repetition penalty, the seed, thinking, the image token budget and
+    the KV cache's quantization."""
 
     max_tokens: int = 256
     temperature: float = 0.0
@@ -81,13 +89,16 @@ class GenerationOptions:
     enable_thinking: bool = False
     max_soft_tokens: int | None = None  # image token budget: 70, 140, 280 (default), 560, 1120
     prefill_step_size: int = 2048
+    kv_bits: int | None = None  # quantized KV cache: 8 or 4 bits per value (None: the model's dtype)
+    kv_group_size: int = 64  # values sharing a scale and bias in the quantized KV cache
     sampler: Callable[[mx.array], mx.array] | None = None  # replaces the one made from the options above
     logits_processors: list[Callable] | None = None  # run after the repetition penalty
 
     def __post_init__(self):
         check_generation_options(
             self.max_tokens, self.temperature, self.top_p, self.top_k, self.min_p, self.repetition_penalty,
-            self.repetition_context_size, self.seed, self.prefill_step_size, self.max_soft_tokens,
+            self.repetition_context_size, self.seed, self.prefill_step_size, self.max_soft_tokens, self.kv_bits,
+            self.kv_group_size,
         )  # fmt: skip
 
     def make_sampler(self) -> Callable[[mx.array], mx.array]:

@@ -12,26 +12,30 @@ snapshot at or before the divergence point.
 
 from __future__ import annotations
 
-import copy
-
 import mlx.core as mx
-from mlx_lm.models.cache import KVCache
+from mlx_lm.models.cache import KVCache, QuantizedKVCache
 from mlx_lm.utils import common_prefix_len
 
+from ..models.cache import copy_cache
 from .decode import prefill
 
 
 class PromptCache:
     """A model's KV cache, the token ids it holds, and snapshots to rewind it."""
 
-    def __init__(self, model, max_snapshots: int = 2, sliding_slack: int = 0):
+    def __init__(self, model, max_snapshots: int = 2, sliding_slack: int = 0, kv_bits: int | None = None, kv_group_size: int = 64):
         self.model = model
         self.max_snapshots = max_snapshots
         self.sliding_slack = sliding_slack  # see Gemma4Model.make_cache
+        self.kv_quantization = (kv_bits, kv_group_size)
         self.reset()
 
-    def reset(self) -> None:
-        self.cache = self.model.make_cache(sliding_slack=self.sliding_slack)
+    def reset(self, kv_bits: int | None = None, kv_group_size: int | None = None) -> None:
+        """Start from an empty cache (quantized as before, or as ``kv_bits``/``kv_group_size`` say)."""
+        if kv_group_size is not None:
+            self.kv_quantization = (kv_bits, kv_group_size)
+        bits, group = self.kv_quantization
+        self.cache = self.model.make_cache(sliding_slack=self.sliding_slack, kv_bits=bits, kv_group_size=group)
         self.ids: list[int] = []
         self.snapshots: dict[int, list] = {}
 
@@ -81,16 +85,10 @@ class PromptCache:
     def snapshot(self) -> None:
         """Remember the cache as it is now (at ``len(self.ids)`` tokens)."""
         position = self.offset
-        saved = []
-        for c in self.cache:
-            if isinstance(c, KVCache):
-                saved.append(None)  # trimmed back on restore
-            else:
-                s = copy.copy(c)
-                # A copy, not a reference: caches update their buffers in place.
-                s.keys, s.values = (None, None) if c.keys is None else (mx.array(c.keys), mx.array(c.values))
-                saved.append(s)
-        mx.eval([s.keys for s in saved if s is not None and s.keys is not None])
+        # Full layers are trimmed back on restore; sliding ones are copied, not referenced (caches
+        # update their buffers in place).
+        saved = [None if isinstance(c, (KVCache, QuantizedKVCache)) else copy_cache(c) for c in self.cache]
+        mx.eval([s.state for s in saved if s is not None and not s.empty()])
         self.snapshots[position] = saved
         while len(self.snapshots) > self.max_snapshots:
             del self.snapshots[min(self.snapshots)]
@@ -101,15 +99,13 @@ class PromptCache:
             if s is None:
                 c.trim(c.offset - position)
             else:
-                restored = copy.copy(s)
-                restored.keys, restored.values = (None, None) if s.keys is None else (mx.array(s.keys), mx.array(s.values))
-                self.cache[i] = restored
+                self.cache[i] = copy_cache(s)
         self.ids = self.ids[:position]
         self.snapshots = {p: v for p, v in self.snapshots.items() if p <= position}
 
     def nbytes(self) -> int:
         """Bytes held by the cache and its snapshots."""
-        total = sum(c.nbytes for c in self.cache if c.keys is not None)
+        total = sum(c.nbytes for c in self.cache if not c.empty())
         for saved in self.snapshots.values():
-            total += sum(s.keys.nbytes + s.values.nbytes for s in saved if s is not None and s.keys is not None)
+            total += sum(s.nbytes for s in saved if s is not None and not s.empty())
         return total

@@ -24,7 +24,7 @@ import numpy as np
 
 from ..errors import OptionError
 from ..models.assistant import Assistant, target_source_spec
-from ..models.cache import in_temporal_order, trim_after_chunk
+from ..models.cache import in_temporal_order, last_tokens, trim_after_chunk
 from .decode import GENERATION_STREAM, prefill, processed_logprobs
 
 DEFAULT_DRAFT_TOKENS = 4
@@ -61,7 +61,7 @@ def _drafter_kv(sources: dict[str, Any], window: int) -> dict[str, tuple[mx.arra
     for layer_type, c in sources.items():
         keys, values = in_temporal_order(c)
         if layer_type == "sliding_attention":
-            keys, values = keys[..., -(window + 1) :, :], values[..., -(window + 1) :, :]
+            keys, values = last_tokens(keys, window + 1), last_tokens(values, window + 1)
         kv[layer_type] = (keys, values)
     return kv
 

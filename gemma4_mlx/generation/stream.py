@@ -9,10 +9,12 @@ from dataclasses import dataclass
 from typing import Any, Callable, Generator
 
 import mlx.core as mx
+from mlx_lm.generate import wired_limit
 
 from ..errors import OptionError
 from ..memory import check_fits
-from .decode import generate_tokens
+from ..models.cache import kv_quantization
+from .decode import GENERATION_STREAM, generate_tokens
 from .options import GenerationOptions
 from .pipeline import Timing, prepare_request
 from .speculative import DEFAULT_DRAFT_TOKENS, SpeculativeStats, load_checked_drafter, speculative_tokens
@@ -66,9 +68,10 @@ def stream_generate(
     :class:`~gemma4_mlx.generation.options.GenerationOptions`: ``max_tokens`` (256), ``temperature``
     (0: greedy), ``top_p``, ``top_k``, ``min_p``, ``repetition_penalty``, ``repetition_context_size``,
     ``seed``, ``enable_thinking``, ``max_soft_tokens`` (the image token budget), ``prefill_step_size``,
-    ``sampler`` and ``logits_processors``. Generation stops at the model's end tokens (``<eos>``,
+    ``kv_bits`` and ``kv_group_size`` (a quantized KV cache, for long contexts), ``sampler`` and
+    ``logits_processors``. Generation stops at the model's end tokens (``<eos>``,
     ``<turn|>``) or after ``max_tokens``. Pass ``cache`` to continue from an earlier prompt (it is
-    updated in place); ``prompt_progress(done, total)`` is called after each prefill chunk.
+    updated in place, and its own quantization applies); ``prompt_progress(done, total)`` is called after each prefill chunk.
 
     Media come as ``{"type": "image" | "audio" | "video", ...}`` items of chat messages, or as
     ``images``/``audio``/``videos`` lists matching the prompt's placeholders. The encoders run once,
@@ -85,13 +88,21 @@ def stream_generate(
     cached = cache[0].offset if cache else 0
     request = prepare_request(model, processor, prompt, opts, cached, images, audio, videos)
     ids = request.ids
-    check_fits(model, cached + len(ids) + request.max_tokens, cache, opts.prefill_step_size)
+    if cache is None:
+        slack = 1 if drafter is not None else 0
+        cache = model.make_cache(sliding_slack=slack, kv_bits=opts.kv_bits, kv_group_size=opts.kv_group_size)
+    check_fits(model, cached + len(ids) + request.max_tokens, cache, opts.prefill_step_size, *kv_quantization(cache))
     inputs_embeds = model.embed_multimodal(mx.array(ids), **request.media)[0] if request.media else None
-    cache = cache if cache is not None else model.make_cache(sliding_slack=1 if drafter is not None else 0)
+
+    # On Apple silicon the weights stay wired (resident) while generating, as in mlx-lm.
+    with wired_limit(model, [GENERATION_STREAM]):
+        yield from _stream_chunks(model, ids, cache, request, opts, drafter, num_draft_tokens, prompt_progress, inputs_embeds, processor)
+
+
+def _stream_chunks(model, ids, cache, request, opts, drafter, num_draft_tokens, prompt_progress, inputs_embeds, processor):
     eos = processor.eos_token_ids
     detokenizer = processor.detokenizer
     detokenizer.reset()
-
     timing = Timing(prefilled=len(ids))
     stats = None
     if drafter is None:

@@ -7,7 +7,8 @@
   ``quantization`` section says); the E2B/E4B per-layer table stays on disk, memory-mapped, by default;
 * **KV cache**: per layer that owns K/V, keys and values of every token for full-attention layers
   (grown as mlx-lm's cache grows them, in steps of 256) and of the window for sliding layers
-  (KV-shared layers hold none);
+  (KV-shared layers hold none); in the model's dtype, or quantized (``kv_bits``: packed values plus
+  a scale and a bias per ``kv_group_size`` values);
 * **workspace**: what one prefill chunk needs on top: its attention scores (bounded by the
   blockwise-attention budget), the sliding buffers' transient chunk, and the chunk's activations.
 
@@ -67,14 +68,24 @@ def full_cache_tokens(context: int, prefill_step_size: int = 2048, step: int = 2
     return size
 
 
-def kv_cache_bytes(text: TextConfig, context: int, bytes_per_value: int = 2, sliding_slack: int = 0, prefill_step_size: int = 2048) -> int:
+def kv_value_bytes(bytes_per_value: int = 2, kv_bits: int | None = None, kv_group_size: int = 64) -> float:
+    """Bytes the cache holds per key or value element: the model dtype's, or, quantized, the packed
+    bits plus a scale and a bias (in the model dtype) per group."""
+    return bytes_per_value if kv_bits is None else kv_bits / 8 + 2 * bytes_per_value / kv_group_size
+
+
+def kv_cache_bytes(
+    text: TextConfig, context: int, bytes_per_value: int = 2, sliding_slack: int = 0, prefill_step_size: int = 2048,
+    kv_bits: int | None = None, kv_group_size: int = 64,
+) -> int:  # fmt: skip
     """Bytes of the KV cache after ``context`` tokens (see the module docstring)."""
     total = 0
     full_tokens = full_cache_tokens(context, prefill_step_size)
+    element = kv_value_bytes(bytes_per_value, kv_bits, kv_group_size)
     for spec in text.layers:
         if spec.is_kv_shared:
             continue
-        per_token = 2 * spec.num_kv_heads * spec.head_dim * bytes_per_value
+        per_token = round(2 * spec.num_kv_heads * spec.head_dim * element)
         tokens = min(context, text.sliding_window + sliding_slack) if spec.is_sliding else full_tokens
         total += per_token * tokens
     return total
@@ -94,19 +105,19 @@ def workspace_bytes(text: TextConfig, context: int, prefill_step_size: int = 204
     return scores + sliding * chunk + activations + logits
 
 
-def context_bytes(text: TextConfig, context: int, prefill_step_size: int = 2048, bytes_per_value: int = 2) -> int:
+def context_bytes(text: TextConfig, context: int, prefill_step_size: int = 2048, bytes_per_value: int = 2, kv_bits: int | None = None, kv_group_size: int = 64) -> int:
     """KV cache and workspace at ``context`` tokens: what a context adds to the weights."""
-    return kv_cache_bytes(text, context, bytes_per_value, prefill_step_size=prefill_step_size) + workspace_bytes(
-        text, context, prefill_step_size, bytes_per_value
-    )
+    kv = kv_cache_bytes(text, context, bytes_per_value, 0, prefill_step_size, kv_bits, kv_group_size)
+    return kv + workspace_bytes(text, context, prefill_step_size, bytes_per_value)
 
 
-def _longest_within(text: TextConfig, budget: float, limit: int, prefill_step_size: int, bytes_per_value: int = 2) -> int:
+def _longest_within(text: TextConfig, budget: float, limit: int, prefill_step_size: int, bytes_per_value: int = 2, kv_bits=None, kv_group_size: int = 64) -> int:
     """The longest context up to ``limit`` whose :func:`context_bytes` fit ``budget`` (0 if none)."""
     lo, hi = 0, limit
     while lo < hi:
         mid = (lo + hi + 1) // 2
-        lo, hi = (mid, hi) if context_bytes(text, mid, prefill_step_size, bytes_per_value) <= budget else (lo, mid - 1)
+        fits = context_bytes(text, mid, prefill_step_size, bytes_per_value, kv_bits, kv_group_size) <= budget
+        lo, hi = (mid, hi) if fits else (lo, mid - 1)
     return lo
 
 
@@ -152,48 +163,57 @@ def _resolve(path_or_config: str | Path) -> tuple[Path | None, ModelConfig]:
     return folder, ModelConfig.from_file(folder / "config.json")
 
 
-def estimate(path_or_config: str | Path, context: int, prefill_step_size: int = 2048, mapped_ple: bool = True) -> MemoryEstimate:
+def estimate(
+    path_or_config: str | Path, context: int, prefill_step_size: int = 2048, mapped_ple: bool = True,
+    kv_bits: int | None = None, kv_group_size: int = 64,
+) -> MemoryEstimate:  # fmt: skip
     """The memory a generation at ``context`` tokens needs (a model folder, a Hub id, or a
-    ``config.json``); see the module docstring."""
+    ``config.json``), with a KV cache quantized to ``kv_bits`` if given; see the module docstring."""
     folder, config = _resolve(path_or_config)
     text = config.text_config
     weights = weights_bytes(folder, config, mapped_ple) if folder is not None else _described_weights_bytes(config)
-    return MemoryEstimate(context, weights, kv_cache_bytes(text, context, prefill_step_size=prefill_step_size),
-                          workspace_bytes(text, context, prefill_step_size))  # fmt: skip
+    kv = kv_cache_bytes(text, context, 2, 0, prefill_step_size, kv_bits, kv_group_size)
+    return MemoryEstimate(context, weights, kv, workspace_bytes(text, context, prefill_step_size))
 
 
-def longest_context(path_or_config: str | Path, memory: float, prefill_step_size: int = 2048) -> int:
+def longest_context(path_or_config: str | Path, memory: float, prefill_step_size: int = 2048, kv_bits: int | None = None, kv_group_size: int = 64) -> int:
     """The longest context (tokens, up to the model's maximum) whose estimate fits ``memory`` bytes
     (0 when not even the weights fit)."""
     folder, config = _resolve(path_or_config)
     text = config.text_config
     weights = weights_bytes(folder, config) if folder is not None else _described_weights_bytes(config)
-    return _longest_within(config.text_config, memory - weights, config.text_config.max_position_embeddings, prefill_step_size)
+    return _longest_within(text, memory - weights, text.max_position_embeddings, prefill_step_size, 2, kv_bits, kv_group_size)
 
 
-def check_fits(model, context: int, cache: list | None = None, prefill_step_size: int = 2048) -> None:
+def check_fits(
+    model, context: int, cache: list | None = None, prefill_step_size: int = 2048, kv_bits: int | None = None,
+    kv_group_size: int = 64,
+) -> None:  # fmt: skip
     """Raise :class:`~gemma4_mlx.errors.ContextLengthError` when a generation reaching ``context``
-    tokens would need more memory for its KV cache and workspace than the device has free (the
-    loaded weights and ``cache``, the cache it continues, count as used), saying what would fit:
-    better than being killed by the operating system halfway through a prefill."""
+    tokens would need more memory for its KV cache (quantized to ``kv_bits`` if given) and workspace
+    than the device has free (the loaded weights and ``cache``, the cache it continues or replaces,
+    count as used), saying what would fit: better than being killed by the operating system halfway
+    through a prefill."""
     import mlx.core as mx
 
     from ..errors import ContextLengthError
 
     text = model.text_config
     value_bytes = 4 if model.language_model.embed_tokens.weight.dtype == mx.float32 else 2
-    needed = context_bytes(text, context, prefill_step_size, value_bytes)
-    held = sum(c.nbytes for c in cache or () if c.keys is not None)
+    quantization = (kv_bits, kv_group_size)
+    needed = context_bytes(text, context, prefill_step_size, value_bytes, *quantization)
+    held = sum(c.nbytes for c in cache or () if not c.empty())
     # Against all of the machine's memory, not Metal's recommended working set: past the first MLX
     # still runs (slower), past the second nothing does. No refusal on a guess that might be wrong.
     free = device_memory(hard=True) - mx.get_active_memory() + held
     if needed <= free:
         return
-    fits = _longest_within(text, free, context, prefill_step_size, value_bytes)
+    fits = _longest_within(text, free, context, prefill_step_size, value_bytes, *quantization)
+    smaller_cache = "" if kv_bits is not None and kv_bits <= 4 else ", a quantized KV cache (kv_bits=8 or 4; --kv-bits)"
     raise ContextLengthError(
         f"a context of {context} tokens (prompt and max_tokens) needs about {needed / GB:.1f} GB for its KV cache and "
         f"working memory, and {max(free, 0) / GB:.1f} GB is free on this device: about {fits} tokens would fit. "
-        "Use a shorter prompt or fewer max_tokens, a smaller model, or quantized weights (python -m convert -q)"
+        f"Use a shorter prompt or fewer max_tokens{smaller_cache}, a smaller model, or quantized weights (python -m convert -q)"
     )
 
 
@@ -215,4 +235,4 @@ def device_memory(hard: bool = False) -> int:
     return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
 
 
-__all__ = ["MemoryEstimate", "estimate", "longest_context", "check_fits", "context_bytes", "kv_cache_bytes", "workspace_bytes", "weights_bytes", "device_memory"]
+__all__ = ["MemoryEstimate", "estimate", "longest_context", "check_fits", "context_bytes", "kv_cache_bytes", "kv_value_bytes", "workspace_bytes", "weights_bytes", "device_memory"]

@@ -6,6 +6,7 @@ from __future__ import annotations
 import argparse
 import sys
 
+from ..models.cache import KV_BITS, KV_GROUP_SIZES
 from . import GB, device_memory, estimate, longest_context
 
 
@@ -15,14 +16,17 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--context", type=int, nargs="+", default=[4096, 32768, 131072], help="context lengths in tokens")
     p.add_argument("--memory", type=float, default=None, help="GB available (default: this device's)")
     p.add_argument("--prefill-step-size", type=int, default=2048)
+    p.add_argument("--kv-bits", type=int, default=None, choices=KV_BITS, help="a quantized KV cache (default: bf16)")
+    p.add_argument("--kv-group-size", type=int, default=64, choices=KV_GROUP_SIZES)
     args = p.parse_args(argv)
+    kv = dict(kv_bits=args.kv_bits, kv_group_size=args.kv_group_size)
     try:
         for n in args.context:
             if n < 1:
                 raise ValueError(f"--context must be positive, not {n}")
-            print(estimate(args.model, n, args.prefill_step_size).summary())
+            print(estimate(args.model, n, args.prefill_step_size, **kv).summary())
         memory = args.memory * GB if args.memory else device_memory()
-        print(f"longest context within {memory / GB:.1f} GB: {longest_context(args.model, memory, args.prefill_step_size)} tokens")
+        print(f"longest context within {memory / GB:.1f} GB: {longest_context(args.model, memory, args.prefill_step_size, **kv)} tokens")
     except (OSError, ValueError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 1

@@ -72,10 +72,11 @@ class Gemma4Model(nn.Module):
         """Evaluate every array the model holds (see :func:`~gemma4_mlx.models.text.materialize`)."""
         materialize(self)
 
-    def make_cache(self, sliding_slack: int = 0) -> list:
+    def make_cache(self, sliding_slack: int = 0, kv_bits: int | None = None, kv_group_size: int = 64) -> list:
         """A fresh KV cache for incremental decoding (see :mod:`gemma4_mlx.models.cache`);
-        ``sliding_slack`` more tokens in the sliding layers' ring buffers (speculative decoding)."""
-        return make_cache(self.text_config, sliding_slack)
+        ``sliding_slack`` more tokens in the sliding layers' ring buffers (speculative decoding);
+        ``kv_bits`` (8 or 4) stores keys and values quantized, in groups of ``kv_group_size``."""
+        return make_cache(self.text_config, sliding_slack, kv_bits, kv_group_size)
 
     def media_mask(self, input_ids: mx.array) -> mx.array | None:
         """True at image/video/audio placeholder tokens (None for text-only checkpoints)."""

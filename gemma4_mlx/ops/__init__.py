@@ -53,8 +53,9 @@ def implementation(name: str) -> Callable:
 
 
 def attention(q: mx.array, k: mx.array, v: mx.array, scale: float, mask) -> mx.array:
-    """Scaled dot-product attention, q [B, H, L, D], k/v [B, KV, S, D] (any GQA ratio); ``mask`` is
-    None, "causal" or a boolean/additive array broadcastable to [B, H, L, S]."""
+    """Scaled dot-product attention, q [B, H, L, D], k/v [B, KV, S, D] (any GQA ratio) or a quantized
+    cache's ``(packed, scales, biases)`` triples; ``mask`` is None, "causal" or a boolean/additive
+    array broadcastable to [B, H, L, S]."""
     return implementation("attention")(q, k, v, scale, mask)
 
 

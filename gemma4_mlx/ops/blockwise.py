@@ -15,30 +15,37 @@ from __future__ import annotations
 import os
 
 import mlx.core as mx
+from mlx.utils import tree_map
 
 # Bytes of float32 scores one attention call may hold (GEMMA4_MLX_ATTENTION_BUDGET_MB overrides).
 SCORES_BUDGET = int(float(os.environ.get("GEMMA4_MLX_ATTENTION_BUDGET_MB", "512")) * 2**20)
 
 
-def scores_bytes(q: mx.array, k: mx.array) -> int:
+def key_count(k) -> int:
+    """Keys in ``k`` [B, KV, S, D] (or a quantized cache's ``(packed, scales, biases)`` triple)."""
+    return (k[0] if isinstance(k, (tuple, list)) else k).shape[2]
+
+
+def scores_bytes(q: mx.array, k) -> int:
     """Bytes of the float32 scores of ``q`` [B, H, L, D] against ``k`` [B, KV, S, D]."""
     B, H, L, _ = q.shape
-    return B * H * L * k.shape[2] * 4
+    return B * H * L * key_count(k) * 4
 
 
-def query_block_size(q: mx.array, k: mx.array, budget: int | None = None) -> int:
+def query_block_size(q: mx.array, k, budget: int | None = None) -> int:
     """Queries per block so that one block's scores fit ``budget`` (default :data:`SCORES_BUDGET`;
     at least one query)."""
     B, H, _, _ = q.shape
     budget = SCORES_BUDGET if budget is None else budget
-    return max(1, budget // max(1, B * H * k.shape[2] * 4))
+    return max(1, budget // max(1, B * H * key_count(k) * 4))
 
 
-def attention_in_query_blocks(q, k, v, scale: float, mask, block: int) -> mx.array:
-    """``mx.fast.scaled_dot_product_attention(q, k, v, scale, mask)`` computed ``block`` queries at a
-    time. ``mask``: None, "causal" (queries are the last L positions, as MLX aligns them) or an array
-    broadcastable to [B, H, L, S]. With "causal", each block also reads only the keys it can see."""
-    L, S = q.shape[2], k.shape[2]
+def attention_in_query_blocks(q, k, v, scale: float, mask, block: int, attend=mx.fast.scaled_dot_product_attention) -> mx.array:
+    """``attend(q, k, v, scale=scale, mask=mask)`` (MLX's attention, or the quantized one for
+    quantized triples) computed ``block`` queries at a time. ``mask``: None, "causal" (queries are
+    the last L positions, as MLX aligns them) or an array broadcastable to [B, H, L, S]. With
+    "causal", each block also reads only the keys it can see."""
+    L, S = q.shape[2], key_count(k)
     outs = []
     for start in range(0, L, block):
         end = min(L, start + block)
@@ -48,17 +55,18 @@ def attention_in_query_blocks(q, k, v, scale: float, mask, block: int) -> mx.arr
             # next one's (left to itself it schedules all blocks' score matmuls first). Lazy: no sync.
             qb = mx.depends(qb, outs[-1])
         if mask is None:
-            out = mx.fast.scaled_dot_product_attention(qb, k, v, scale=scale)
+            out = attend(qb, k, v, scale=scale, mask=None)
         elif isinstance(mask, str):
             if mask != "causal":
                 raise ValueError(f"unknown attention mask {mask!r}")
             visible = S - L + end  # the block's last query is at key position visible - 1
-            out = mx.fast.scaled_dot_product_attention(qb, k[:, :, :visible], v[:, :, :visible], scale=scale, mask="causal")
+            kb, vb = tree_map(lambda a: a[:, :, :visible], (k, v))
+            out = attend(qb, kb, vb, scale=scale, mask="causal")
         else:
             mb = mask[..., start:end, :] if mask.ndim >= 2 and mask.shape[-2] == L else mask
-            out = mx.fast.scaled_dot_product_attention(qb, k, v, scale=scale, mask=mb)
+            out = attend(qb, k, v, scale=scale, mask=mb)
         outs.append(out)
     return mx.concatenate(outs, axis=2)
 
 
-__all__ = ["attention_in_query_blocks", "query_block_size", "scores_bytes", "SCORES_BUDGET"]
+__all__ = ["attention_in_query_blocks", "query_block_size", "scores_bytes", "key_count", "SCORES_BUDGET"]
