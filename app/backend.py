@@ -196,6 +196,13 @@ class ModelHolder:
         self.status = f"Converting to {self.quantize_bits}-bit: {message}"
 
     @property
+    def kv_group_size(self) -> int:
+        """The quantized KV cache's group size: 64 (mlx-lm's), or 32 where the heads are narrower
+        (the demo model)."""
+        dims = {s.head_dim for s in self.engine.model.text_config.layers} if self.engine is not None else set()
+        return 64 if all(d % 64 == 0 for d in dims) else 32
+
+    @property
     def capabilities(self) -> dict[str, bool]:
         if self.engine is None:
             return {"image": False, "audio": False, "video": False}

@@ -32,8 +32,12 @@ SETTINGS_DEFAULTS: dict[str, Any] = {
     "image_tokens": 280,
     "tools": "",
     "speculative": True,
+    "kv_cache": "exact",
 }
 SETTING_NAMES = list(SETTINGS_DEFAULTS)
+# Settings that take one of a few values, and what they mean for the engine.
+KV_CACHE_BITS = {"exact": None, "8-bit": 8, "4-bit": 4}
+SETTING_CHOICES = {"kv_cache": tuple(KV_CACHE_BITS)}
 TITLE_LENGTH = 40
 
 
@@ -88,7 +92,7 @@ def clean_settings(settings: Any) -> dict:
         elif isinstance(default, (int, float)):
             ok = isinstance(value, (int, float)) and not isinstance(value, bool)
         else:
-            ok = isinstance(value, str)
+            ok = isinstance(value, str) and value in SETTING_CHOICES.get(name, (value,))
         if ok:
             out[name] = type(default)(value) if not isinstance(default, bool) else value
     return out

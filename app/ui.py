@@ -45,6 +45,7 @@ from .backend import (
 from .mathtext import from_display, to_display
 
 IMAGE_BUDGETS = [70, 140, 280, 560, 1120]
+KV_CACHE_CHOICES = [("Exact (the model's precision)", "exact"), ("8-bit", "8-bit"), ("4-bit", "4-bit")]
 # No single-$ delimiter: KaTeX's auto-render would pair the dollars of "$5 and $10". Replies' $...$
 # math that follows the usual rule is shown as \(...\) instead (app/mathtext.py, Chatbot below).
 LATEX = [
@@ -199,8 +200,11 @@ def _layout(holder: ModelHolder) -> Page:
             tools = gr.Code(defaults["tools"], label="Tools: function declarations (JSON: one, or a list)", language="json", lines=6, elem_id="tools")
             speculative = gr.Checkbox(label="Speculative decoding with the drafter (the same replies, faster; when one is loaded)",
                                       value=defaults["speculative"], elem_id="speculative")  # fmt: skip
+            kv_cache = gr.Dropdown(KV_CACHE_CHOICES, value=defaults["kv_cache"], elem_id="kv-cache",
+                                   label="KV cache (8-bit: long conversations in half the memory; 4-bit: a quarter, less exact)")  # fmt: skip
     by_name = {"system": system, "thinking": thinking, "temperature": temperature, "top_p": top_p, "top_k": top_k,
-               "max_tokens": max_tokens, "image_tokens": image_tokens, "tools": tools, "speculative": speculative}  # fmt: skip
+               "max_tokens": max_tokens, "image_tokens": image_tokens, "tools": tools, "speculative": speculative,
+               "kv_cache": kv_cache}  # fmt: skip
     gr.Markdown(f"## Gemma 4 · {holder.name}", elem_id="title")
     status = gr.Markdown(holder.status, elem_id="status")
     summary = gr.Markdown(_summary(dict(defaults)), elem_id="conversation-settings")
@@ -285,7 +289,8 @@ class _Chat:
                 messages, max_tokens=int(settings["max_tokens"]), temperature=float(settings["temperature"]),
                 top_p=float(settings["top_p"]), top_k=int(settings["top_k"]), enable_thinking=bool(settings["thinking"]),
                 tools=tools, max_soft_tokens=int(settings["image_tokens"]), stop_event=stop,
-                speculative=bool(settings["speculative"]),
+                speculative=bool(settings["speculative"]), kv_bits=convs.KV_CACHE_BITS.get(settings["kv_cache"]),
+                kv_group_size=holder.kv_group_size,
             )  # fmt: skip
             for chunk in stream:
                 history[reply_start:] = _reply_messages(chunk.reply, done=chunk.finish_reason is not None)

@@ -97,6 +97,24 @@ def test_text_turn_streams_a_reply_with_stats(client):
     assert title(history[2]).startswith(STATS_TITLE) and "tok/s" in title(history[2])
 
 
+def test_kv_cache_setting(demo_app, client):
+    """The conversation's KV cache setting reaches the engine: an 8-bit turn leaves a quantized
+    cache, and reused it on the next 8-bit turn; back to exact, a fresh unquantized one."""
+    from mlx_lm.models.cache import QuantizedKVCache
+
+    def turn(history, kv_cache):
+        message = {"text": "hello there", "files": []}
+        return client.predict(message, resend(history), "", 0.0, 0.95, 64, 6, False, 280, "", True, kv_cache, api_name="/chat")[0]
+
+    quantized = lambda: any(isinstance(c, QuantizedKVCache) for c in demo_app[0].engine.prompt_cache.cache)  # noqa: E731
+    history = turn([], "8-bit")
+    assert not any(is_error(m) for m in history) and quantized()
+    history = turn(history, "8-bit")
+    assert " 0 reused" not in text(history[-1]) and quantized()
+    history = turn(history, "exact")
+    assert not any(is_error(m) for m in history) and not quantized()
+
+
 def test_multimodal_turn_and_prefix_reuse(client, media):
     history = chat(client, "hello")
     history = chat(client, "what do you see and hear?", history, files=[media / "picture.png", media / "tone.wav"])
@@ -316,6 +334,7 @@ def test_conversation_store():
     conv = store.active(s)
     assert conv["settings"]["system"] == "Be brief." and conv["settings"]["thinking"] is True
     assert conv["settings"]["top_k"] == store.SETTINGS_DEFAULTS["top_k"]  # a wrong type falls back
+    assert store.clean_settings({"kv_cache": "3-bit"})["kv_cache"] == "exact"  # and so does an unknown choice
     assert store.choices(s) == [("What is a monad, in plain words please?", first)]
     s = store.start_new(s, conv["settings"])
     second = s["active"]
