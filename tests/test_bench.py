@@ -58,3 +58,17 @@ def test_memory_bench_folder_loads_in_both_and_measures(tmp_path):
         assert r["mlx_active_loaded"] < r["loaded"]["VmRSS"] and r["mlx_peak_generating"] < r["generated"]["VmHWM"]
     table = bench_memory.memory_table(results)
     assert table.count("\n") == 4 and "RSS at start" in table and "| ours-lazy-ple |" in table and "| mlx-lm |" in table
+
+
+def test_long_context_bench_prints_every_setting(capsys):
+    """bench --long on E2B's attention shapes (narrow widths, a short context): ours with each cache,
+    mlx-lm's 8-bit cache failing on the sliding layers; KV bytes per token as the caches hold them."""
+    import gemma4_mlx.bench.long as long
+
+    rows = long.main(["--variants", "e2b", "--contexts", "96", "--layers", "5", "--narrow", "--vocab", "1024", "--gen-tokens", "3"])
+    out = capsys.readouterr().out
+    assert "| e2b (10) | 96 | ours, 4-bit |" in out and "| e2b (10) | 96 | mlx-lm, 8-bit | fails: NotImplementedError" in out
+    by = {(r["kind"], r["kv_bits"]): r for r in rows}
+    assert by[("ours", None)]["kv_per_token"] == by[("mlx-lm", None)]["kv_per_token"]  # the same cache layout
+    assert by[("ours", 8)]["kv_per_token"] < 0.55 * by[("ours", None)]["kv_per_token"]
+    assert by[("ours", 4)]["kv_per_token"] < 0.3 * by[("ours", None)]["kv_per_token"]

@@ -8,6 +8,10 @@ elif "--speculative" in sys.argv[1:]:  # speculative decoding with a drafter (be
     from .speculative import main
 
     main([a for a in sys.argv[1:] if a != "--speculative"])
+elif "--long" in sys.argv[1:]:  # long contexts: memory and speed (bench/long.py)
+    from .long import main
+
+    main([a for a in sys.argv[1:] if a != "--long"])
 else:
     from .speed import main
 

@@ -106,10 +106,15 @@ class Attention(nn.Module):
         B, L, _ = x.shape
         Hq, Hkv = self.n_heads, self.spec.num_kv_heads
         normed = ops.rms_norm(self.qkv_proj(x).reshape(B, L, -1, self.head_dim), None, self.eps)
-        qk = ops.rope((normed[:, :, : Hq + Hkv] * self._qk_norm_weight).transpose(0, 2, 1, 3), offset, self.rope)
+        scaled = (normed[:, :, : Hq + Hkv] * self._qk_norm_weight).transpose(0, 2, 1, 3)
         # K=V layers: V is k_proj's output normed without a scale, which is the k heads of `normed`.
-        v = normed[:, :, Hq : Hq + Hkv] if self.spec.k_eq_v else normed[:, :, Hq + Hkv :]
-        return qk[:, :Hq], qk[:, Hq:], v.transpose(0, 2, 1, 3)
+        v = (normed[:, :, Hq : Hq + Hkv] if self.spec.k_eq_v else normed[:, :, Hq + Hkv :]).transpose(0, 2, 1, 3)
+        if L == 1:
+            qk = ops.rope(scaled, offset, self.rope)
+            return qk[:, :Hq], qk[:, Hq:], v
+        # A chunk: k and v get buffers of their own. A sliding cache keeps its first chunk as given,
+        # and views would keep the whole merged q/k/v buffers alive with it (3x the prefill's memory).
+        return ops.rope(scaled[:, :Hq], offset, self.rope), ops.rope(scaled[:, Hq:], offset, self.rope), mx.contiguous(v)
 
     def output(self, out):
         """The output projection of the attention result [B, H, L, D]."""
