@@ -16,7 +16,7 @@ from gemma4_mlx.errors import OptionError
 from gemma4_mlx.generation.chat import ChatEngine
 from gemma4_mlx.generation.decode import generate_tokens
 from gemma4_mlx.generation.speculative import SpeculativeStats, speculative_tokens
-from gemma4_mlx.models.cache import QuantizedRotatingKVCache
+from gemma4_mlx.models.cache import QuantizedRotatingKVCache, ValueOnlyKVCache
 from gemma4_mlx.ops import reference
 
 GROUP = 32  # the tiny models' heads are 32 and 64 wide
@@ -61,10 +61,13 @@ def rel(a, b):
 def test_quantized_caches_compute_attention_over_the_dequantized_values(family, bits):
     """Chunked prefill (every chunk wraps the 8/16-token windows) then single-token steps: the
     quantized caches give the logits of exact caches holding the dequantized keys and values
-    (fp32, < 1e-5): the rings, masks and quantized attention lose nothing beyond the rounding."""
+    (fp32, < 1e-5): the rings, masks and quantized attention lose nothing beyond the rounding.
+    (K=V layers store their values alone, quantized, and make the keys from them.)"""
     model = family.model
     cache = model.make_cache(kv_bits=bits, kv_group_size=GROUP)
-    assert {type(c) for c in cache} == {QuantizedKVCache, QuantizedRotatingKVCache}
+    full = ValueOnlyKVCache if model.text_config.attention_k_eq_v else QuantizedKVCache
+    assert {type(c) for c in cache} == {full, QuantizedRotatingKVCache}
+    assert {c.bits for c in cache} == {bits}
     got = chunked_logits(model, cache)
     want = chunked_logits(model, [Rounded(c, dequantized(bits)) for c in model.make_cache()])
     assert rel(got, want) < 1e-5

@@ -16,16 +16,18 @@ from gemma4_mlx.generation.decode import generate_tokens
 
 def test_kv_cache_bytes_are_exact(family):
     """Past the sliding window, the estimate equals what the caches hold after a chunked prefill and
-    decoding, for every family (KV-shared layers, K=V layers, windows, growth in steps of 256)."""
+    decoding, for every family (KV-shared layers, K=V layers storing one tensor or two, windows,
+    growth in steps of 256)."""
     model = family.model
     for prompt_len, generated, step in ((40, 3, 2048), (300, 20, 64), (600, 1, 256)):
-        cache = model.make_cache()
-        prompt = mx.arange(2, 2 + prompt_len) % 500 + 2
-        for _ in generate_tokens(model, prompt, cache, generated + 1, make_sampler(0.0), prefill_step_size=step):
-            pass
-        held = sum(c.keys.nbytes + c.values.nbytes for c in cache)
-        context = cache[0].offset
-        assert held == memory.kv_cache_bytes(model.text_config, context, bytes_per_value=4, prefill_step_size=step), (prompt_len, step)
+        for single in (True, False):
+            cache = model.make_cache(single_kv_storage=single)
+            prompt = mx.arange(2, 2 + prompt_len) % 500 + 2
+            for _ in generate_tokens(model, prompt, cache, generated + 1, make_sampler(0.0), prefill_step_size=step):
+                pass
+            held = sum(c.nbytes for c in cache)
+            expected = memory.kv_cache_bytes(model.text_config, cache[0].offset, 4, prefill_step_size=step, single_kv_storage=single)
+            assert held == expected, (prompt_len, step, single)
 
 
 def test_weights_bytes_from_headers_match_the_loaded_model(e2b):
@@ -39,13 +41,16 @@ def test_weights_bytes_from_headers_match_the_loaded_model(e2b):
 
 def test_memory_command_on_a_bare_config(tmp_path):
     """No weights needed: the published 31B config at 256K, as the issue computes it (80 KiB per
-    token in its 10 full layers: 21.5 GB, plus the sliding windows)."""
+    token in its 10 full layers: 21.5 GB, plus the sliding windows), halved by storing the K=V
+    layers' values alone."""
     from gemma4_mlx.variants import published_config
 
     (tmp_path / "config.json").write_text(json.dumps(published_config("31b")))
     est = memory.estimate(tmp_path / "config.json", 262144)
     full = 10 * 2 * 4 * 512 * 2 * 262144
-    assert full <= est.kv_cache < full * 1.1
+    text = gemma4_mlx.ModelConfig.from_file(tmp_path / "config.json").text_config
+    assert full <= memory.kv_cache_bytes(text, 262144, single_kv_storage=False) < full * 1.1
+    assert full / 2 <= est.kv_cache < full / 2 * 1.1
     out = subprocess.run([sys.executable, "-m", "gemma4_mlx.memory", "--model", str(tmp_path / "config.json"), "--context", "4096", "--memory", "64"],
                          capture_output=True, text=True, check=True).stdout  # fmt: skip
     assert "4096 tokens: weights" in out and "longest context within 64.0 GB" in out
@@ -69,3 +74,34 @@ def test_a_prompt_that_cannot_fit_is_refused_and_the_chat_goes_on(e2b, monkeypat
     assert len(chat.messages) == 2  # the refused turn left no trace
     monkeypatch.undo()
     assert chat.ask("And now?", max_tokens=8) and chat.last_stats.reused_tokens > 0
+
+
+def test_prefill_peak_grows_by_the_kv_cache_alone(family, monkeypatch):
+    """Prefill's peak memory at 1024 and 2048 tokens (chunks of 256) differs by what the KV cache
+    grows: at most 2.5x its growth (mlx-lm's cache rule copies a full layer's buffer as it grows
+    it; K=V layers store their values alone), with every attention bounded by a small scores budget.
+    The same measurement with the budget out of reach (every chunk's scores against every key at
+    once, the O(L^2) term) grows many times more, so the bound means something."""
+    from gemma4_mlx.ops import blockwise
+
+    def peak_and_kv(n):
+        cache = family.model.make_cache()
+        ids = mx.arange(n) % 900 + 2
+        mx.eval(ids)
+        mx.clear_cache()
+        mx.reset_peak_memory()
+        before = mx.get_active_memory()
+        for start in range(0, n, 256):  # chunks with their logits: every layer's attention runs
+            mx.eval(family.model(ids[None, start : start + 256], cache=cache), [c.state for c in cache])
+        return mx.get_peak_memory() - before, sum(c.nbytes for c in cache)
+
+    def growth():
+        (p1, kv1), (p2, kv2) = peak_and_kv(1024), peak_and_kv(2048)
+        return p2 - p1, kv2 - kv1
+
+    monkeypatch.setattr(blockwise, "SCORES_BUDGET", 64 * 1024)
+    peak, kv = growth()
+    assert 0 < peak <= 2.5 * kv, (peak, kv)
+    monkeypatch.setattr(blockwise, "SCORES_BUDGET", 2**40)
+    unbounded, _ = growth()
+    assert unbounded > 5 * kv, (unbounded, kv)

@@ -152,6 +152,8 @@ def cache_holding(model, n: int, dtype=mx.bfloat16) -> list:
     """``model.make_cache()`` (ours or mlx-lm's) as if ``n`` tokens had been prefilled (zeros)."""
     from mlx_lm.models.cache import KVCache, RotatingKVCache
 
+    from ..models.cache import ValueOnlyKVCache
+
     cache = model.make_cache()
     text = getattr(model, "text_config", None) or model.args
     layers = [i for i in range(text.num_hidden_layers) if i < text.num_hidden_layers - (text.num_kv_shared_layers or 0)]
@@ -164,13 +166,22 @@ def cache_holding(model, n: int, dtype=mx.bfloat16) -> list:
             c.keys = mx.zeros((1, heads, size, dim), dtype)
             c.values = mx.zeros((1, heads, size, dim), dtype)
             c.offset, c._idx = n, size if n >= c.max_size else n
+        elif isinstance(c, ValueOnlyKVCache):
+            c.buffers = [mx.zeros((1, heads, (n + c.step - 1) // c.step * c.step, dim), dtype)]
+            c.offset = n
         elif isinstance(c, KVCache):
             size = (n + c.step - 1) // c.step * c.step
             c.keys = mx.zeros((1, heads, size, dim), dtype)
             c.values = mx.zeros((1, heads, size, dim), dtype)
             c.offset = n
-    mx.eval([(c.keys, c.values) for c in cache])
+    mx.eval([stored_arrays(c) for c in cache])
     return cache
+
+
+def stored_arrays(c) -> list:
+    """The arrays a layer's cache stores (a K=V layer's ValueOnlyKVCache: its values alone)."""
+    buffers = getattr(c, "buffers", None)
+    return list(buffers) if buffers is not None else [c.keys, c.values]
 
 
 def _copy(cache: list) -> list:
@@ -196,7 +207,7 @@ def kernels_per_step(model, cache: list, ours: bool, token: int = 5, tokens: int
     with fast_ops_counted():
         c = _copy(cache)
         logits = step_graph(model, c, mx.array([[token] * tokens]), ours)
-        state = [x for layer in c for x in (layer.keys, layer.values)]
+        state = [x for layer in c for x in stored_arrays(layer)]
         return count_kernels([logits, *state], one_token=tokens == 1)
 
 

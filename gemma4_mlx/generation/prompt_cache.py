@@ -13,10 +13,9 @@ snapshot at or before the divergence point.
 from __future__ import annotations
 
 import mlx.core as mx
-from mlx_lm.models.cache import KVCache, QuantizedKVCache
 from mlx_lm.utils import common_prefix_len
 
-from ..models.cache import copy_cache
+from ..models.cache import RING_CACHES, copy_cache
 from .decode import prefill
 
 
@@ -87,7 +86,7 @@ class PromptCache:
         position = self.offset
         # Full layers are trimmed back on restore; sliding ones are copied, not referenced (caches
         # update their buffers in place).
-        saved = [None if isinstance(c, (KVCache, QuantizedKVCache)) else copy_cache(c) for c in self.cache]
+        saved = [copy_cache(c) if isinstance(c, RING_CACHES) else None for c in self.cache]
         mx.eval([s.state for s in saved if s is not None and not s.empty()])
         self.snapshots[position] = saved
         while len(self.snapshots) > self.max_snapshots:

@@ -7,10 +7,12 @@
   ``quantization`` section says); the E2B/E4B per-layer table stays on disk, memory-mapped, by default;
 * **KV cache**: per layer that owns K/V, keys and values of every token for full-attention layers
   (grown as mlx-lm's cache grows them, in steps of 256) and of the window for sliding layers
-  (KV-shared layers hold none); in the model's dtype, or quantized (``kv_bits``: packed values plus
+  (KV-shared layers hold none; the K=V full layers of the 26B/31B hold their values alone, their keys
+  made from them when read); in the model's dtype, or quantized (``kv_bits``: packed values plus
   a scale and a bias per ``kv_group_size`` values);
 * **workspace**: what one prefill chunk needs on top: its attention scores (bounded by the
-  blockwise-attention budget), the sliding buffers' transient chunk, and the chunk's activations.
+  blockwise-attention budget), the keys a K=V layer makes from its values (bounded by the same
+  budget), the sliding buffers' transient chunk, and the chunk's activations.
 
 The KV figure is exact for this project's caches once the context passes the sliding window
 (tested; below it a sliding buffer may hold up to a window it does not use yet); the workspace is
@@ -76,22 +78,27 @@ def kv_value_bytes(bytes_per_value: int = 2, kv_bits: int | None = None, kv_grou
 
 def kv_cache_bytes(
     text: TextConfig, context: int, bytes_per_value: int = 2, sliding_slack: int = 0, prefill_step_size: int = 2048,
-    kv_bits: int | None = None, kv_group_size: int = 64,
+    kv_bits: int | None = None, kv_group_size: int = 64, single_kv_storage: bool = True,
 ) -> int:  # fmt: skip
-    """Bytes of the KV cache after ``context`` tokens (see the module docstring)."""
+    """Bytes of the KV cache after ``context`` tokens (see the module docstring; ``single_kv_storage``
+    as ``Gemma4Model.make_cache`` takes it)."""
     total = 0
     full_tokens = full_cache_tokens(context, prefill_step_size)
     element = kv_value_bytes(bytes_per_value, kv_bits, kv_group_size)
     for spec in text.layers:
         if spec.is_kv_shared:
             continue
-        per_token = round(2 * spec.num_kv_heads * spec.head_dim * element)
+        tensors = 1 if spec.k_eq_v and single_kv_storage else 2
+        per_token = round(tensors * spec.num_kv_heads * spec.head_dim * element)
         tokens = min(context, text.sliding_window + sliding_slack) if spec.is_sliding else full_tokens
         total += per_token * tokens
     return total
 
 
-def workspace_bytes(text: TextConfig, context: int, prefill_step_size: int = 2048, bytes_per_value: int = 2) -> int:
+def workspace_bytes(
+    text: TextConfig, context: int, prefill_step_size: int = 2048, bytes_per_value: int = 2, kv_bits: int | None = None,
+    single_kv_storage: bool = True,
+) -> int:  # fmt: skip
     """An estimate of one prefill chunk's working memory at ``context`` tokens."""
     from ..ops import blockwise
 
@@ -102,21 +109,34 @@ def workspace_bytes(text: TextConfig, context: int, prefill_step_size: int = 204
     widest_mlp = max(s.mlp_size for s in text.layers)
     activations = chunk * (3 * widest_mlp + 8 * text.hidden_size) * bytes_per_value  # gate, up, their product; residuals
     logits = text.vocab_size * 4 * 2
-    return scores + sliding * chunk + activations + logits
+    # A K=V layer's keys made from its values (and the values dequantized, when quantized): at most
+    # the scores budget at once, past it a key block at a time (ops/blockwise.py).
+    derived = 0
+    if single_kv_storage and any(s.k_eq_v for s in text.layers):
+        widest = max(s.num_kv_heads * s.head_dim for s in text.layers if s.k_eq_v)
+        all_at_once = widest * context * bytes_per_value * (2 if kv_bits is not None else 1)
+        derived = all_at_once if all_at_once <= blockwise.SCORES_BUDGET else 0
+    return scores + derived + sliding * chunk + activations + logits
 
 
-def context_bytes(text: TextConfig, context: int, prefill_step_size: int = 2048, bytes_per_value: int = 2, kv_bits: int | None = None, kv_group_size: int = 64) -> int:
+def context_bytes(
+    text: TextConfig, context: int, prefill_step_size: int = 2048, bytes_per_value: int = 2, kv_bits: int | None = None,
+    kv_group_size: int = 64, single_kv_storage: bool = True,
+) -> int:  # fmt: skip
     """KV cache and workspace at ``context`` tokens: what a context adds to the weights."""
-    kv = kv_cache_bytes(text, context, bytes_per_value, 0, prefill_step_size, kv_bits, kv_group_size)
-    return kv + workspace_bytes(text, context, prefill_step_size, bytes_per_value)
+    kv = kv_cache_bytes(text, context, bytes_per_value, 0, prefill_step_size, kv_bits, kv_group_size, single_kv_storage)
+    return kv + workspace_bytes(text, context, prefill_step_size, bytes_per_value, kv_bits, single_kv_storage)
 
 
-def _longest_within(text: TextConfig, budget: float, limit: int, prefill_step_size: int, bytes_per_value: int = 2, kv_bits=None, kv_group_size: int = 64) -> int:
+def _longest_within(
+    text: TextConfig, budget: float, limit: int, prefill_step_size: int, bytes_per_value: int = 2, kv_bits=None,
+    kv_group_size: int = 64, single_kv_storage: bool = True,
+) -> int:  # fmt: skip
     """The longest context up to ``limit`` whose :func:`context_bytes` fit ``budget`` (0 if none)."""
     lo, hi = 0, limit
     while lo < hi:
         mid = (lo + hi + 1) // 2
-        fits = context_bytes(text, mid, prefill_step_size, bytes_per_value, kv_bits, kv_group_size) <= budget
+        fits = context_bytes(text, mid, prefill_step_size, bytes_per_value, kv_bits, kv_group_size, single_kv_storage) <= budget
         lo, hi = (mid, hi) if fits else (lo, mid - 1)
     return lo
 
@@ -173,7 +193,7 @@ def estimate(
     text = config.text_config
     weights = weights_bytes(folder, config, mapped_ple) if folder is not None else _described_weights_bytes(config)
     kv = kv_cache_bytes(text, context, 2, 0, prefill_step_size, kv_bits, kv_group_size)
-    return MemoryEstimate(context, weights, kv, workspace_bytes(text, context, prefill_step_size))
+    return MemoryEstimate(context, weights, kv, workspace_bytes(text, context, prefill_step_size, 2, kv_bits))
 
 
 def longest_context(path_or_config: str | Path, memory: float, prefill_step_size: int = 2048, kv_bits: int | None = None, kv_group_size: int = 64) -> int:
@@ -198,9 +218,13 @@ def check_fits(
 
     from ..errors import ContextLengthError
 
+    from ..models.cache import ValueOnlyKVCache
+
     text = model.text_config
     value_bytes = 4 if model.language_model.embed_tokens.weight.dtype == mx.float32 else 2
-    quantization = (kv_bits, kv_group_size)
+    # The storage of the cache continued (or, for a new one, what make_cache gives by default).
+    single = cache is None or any(isinstance(c, ValueOnlyKVCache) for c in cache) or not any(s.k_eq_v for s in text.layers)
+    quantization = (kv_bits, kv_group_size, single)
     needed = context_bytes(text, context, prefill_step_size, value_bytes, *quantization)
     held = sum(c.nbytes for c in cache or () if not c.empty())
     # Against all of the machine's memory, not Metal's recommended working set: past the first MLX

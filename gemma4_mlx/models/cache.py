@@ -5,6 +5,9 @@ We reuse mlx-lm's cache classes, which fit Gemma 4 exactly:
 * sliding layers: ``RotatingKVCache(max_size=sliding_window)``, a ring buffer. During a multi-token
   chunk it briefly holds ``window - 1`` old tokens plus the chunk, so every query sees its full window;
 * full layers: ``KVCache``, which grows in steps of 256 tokens;
+* K=V full layers (26B/31B): :class:`ValueOnlyKVCache`, which stores V alone; its keys are a
+  function of V, made when attention reads them (:class:`~gemma4_mlx.ops.DerivedKeys`): half the
+  bytes of those layers' caches, which hold most of a long context;
 * KV-shared layers (the last ``num_kv_shared_layers`` of E2B/E4B): no cache at all; they attend
   over the K/V their source layer just returned from its cache.
 
@@ -18,10 +21,11 @@ bytes at group size 64, 4 bits 0.28x.
 from __future__ import annotations
 
 import copy
+from typing import Callable
 
 import mlx.core as mx
 from mlx.utils import tree_map
-from mlx_lm.models.cache import KVCache, QuantizedKVCache, RotatingKVCache, _BaseCache
+from mlx_lm.models.cache import KVCache, QuantizedKVCache, RotatingKVCache, _BaseCache, create_attention_mask
 
 from ..config import TextConfig
 from ..errors import OptionError
@@ -94,7 +98,79 @@ class QuantizedRotatingKVCache(_BaseCache):
         return sum(r.nbytes for r in self.rings)
 
 
+class ValueOnlyKVCache(_BaseCache):
+    """A K=V layer's cache: it stores the values alone (exact, or quantized with ``bits``) and
+    returns the keys as ``keys_from_values(values)``, a :class:`~gemma4_mlx.ops.DerivedKeys` that
+    makes them when attention reads them. Grows in steps of 256 tokens, as mlx-lm's ``KVCache``.
+
+    Written here because mlx-lm's caches store the keys they are given."""
+
+    step = 256
+
+    def __init__(self, keys_from_values: Callable, bits: int | None = None, group_size: int = 64):
+        self.keys_from_values = keys_from_values
+        self.bits, self.group_size = bits, group_size
+        self.buffers: list | None = None  # [values], or [packed, scales, biases]
+        self.offset = 0
+
+    def update_and_fetch(self, keys, values):
+        """Store ``values`` (``keys`` are a function of them, not stored); return all keys and values."""
+        parts = mx.quantize(values, group_size=self.group_size, bits=self.bits) if self.bits else (values,)
+        prev, n = self.offset, values.shape[2]
+        if self.buffers is None or prev + n > self.buffers[0].shape[2]:
+            grow = -(-n // self.step) * self.step
+            new = [mx.zeros((*p.shape[:2], grow, p.shape[3]), p.dtype) for p in parts]
+            old = self.buffers
+            self.buffers = new if old is None else [mx.concatenate([b[..., :prev, :], z], axis=2) for b, z in zip(old, new)]
+        self.offset += n
+        for buffer, part in zip(self.buffers, parts):
+            buffer[..., prev : self.offset, :] = part
+        return self.keys_and_values()
+
+    @property
+    def values(self):
+        """The stored values (an array, or a ``(packed, scales, biases)`` triple), or None."""
+        if self.buffers is None:
+            return None
+        parts = [b if b.shape[2] == self.offset else b[..., : self.offset, :] for b in self.buffers]
+        return tuple(parts) if self.bits else parts[0]
+
+    @property
+    def keys(self):
+        return None if self.buffers is None else self.keys_from_values(self.values)
+
+    def keys_and_values(self):
+        values = self.values
+        return self.keys_from_values(values), values
+
+    @property
+    def state(self):
+        return self.buffers, self.offset
+
+    def size(self):
+        return self.offset
+
+    def is_trimmable(self):
+        return True
+
+    def trim(self, n):
+        n = min(self.offset, n)
+        self.offset -= n
+        return n
+
+    def make_mask(self, *args, **kwargs):
+        return create_attention_mask(*args, offset=self.offset, **kwargs)
+
+    def empty(self):
+        return self.buffers is None
+
+    @property
+    def nbytes(self):
+        return 0 if self.buffers is None else sum(b.nbytes for b in self.buffers)
+
+
 QUANTIZED_CACHES = (QuantizedKVCache, QuantizedRotatingKVCache)
+RING_CACHES = (RotatingKVCache, QuantizedRotatingKVCache)  # cannot be trimmed once wrapped
 
 
 def check_kv_quantization(cfg: TextConfig, kv_bits: int | None, kv_group_size: int) -> None:
@@ -110,21 +186,28 @@ def check_kv_quantization(cfg: TextConfig, kv_bits: int | None, kv_group_size: i
         raise OptionError(f"kv_group_size {kv_group_size} does not divide this model's head sizes ({', '.join(map(str, dims))})")
 
 
-def make_cache(cfg: TextConfig, sliding_slack: int = 0, kv_bits: int | None = None, kv_group_size: int = 64) -> list:
+def make_cache(
+    cfg: TextConfig, sliding_slack: int = 0, kv_bits: int | None = None, kv_group_size: int = 64,
+    keys_from_values: dict[int, Callable] | None = None,
+) -> list:  # fmt: skip
     """One cache per layer that owns K/V (KV-shared layers come last and get none).
 
     ``sliding_slack`` makes the sliding layers' ring buffers that many tokens longer than the window
     (mlx-lm's masks still limit attention to the window): speculative decoding uses one, so that a
     drafter can read the window plus the token before it, as transformers' drafters do.
     ``kv_bits`` (4 or 8, typically) stores keys and values quantized, ``kv_group_size`` values
-    sharing a scale and a bias."""
+    sharing a scale and a bias. ``keys_from_values`` maps the index of a K=V layer to the function
+    that makes its keys from its values (``Attention.keys_from_values``): those layers then store
+    their values alone (:class:`ValueOnlyKVCache`); ``Gemma4Model.make_cache`` passes them."""
     check_kv_quantization(cfg, kv_bits, kv_group_size)
     caches = []
     for spec in cfg.layers:
         if spec.is_kv_shared:
             continue
         window = cfg.sliding_window + sliding_slack
-        if kv_bits is None:
+        if keys_from_values and spec.index in keys_from_values:
+            caches.append(ValueOnlyKVCache(keys_from_values[spec.index], kv_bits, kv_group_size))
+        elif kv_bits is None:
             caches.append(RotatingKVCache(max_size=window) if spec.is_sliding else KVCache())
         elif spec.is_sliding:
             caches.append(QuantizedRotatingKVCache(window, kv_group_size, kv_bits))
@@ -136,18 +219,20 @@ def make_cache(cfg: TextConfig, sliding_slack: int = 0, kv_bits: int | None = No
 def kv_quantization(cache: list) -> tuple[int | None, int]:
     """``(bits, group_size)`` of a cache's quantized layers (``(None, 64)`` when unquantized)."""
     for c in cache:
-        if isinstance(c, QUANTIZED_CACHES):
+        if getattr(c, "bits", None) is not None:
             return c.bits, c.group_size
     return None, 64
 
 
 def copy_cache(c):
     """A copy of one layer's cache that later updates of ``c`` leave alone (its buffers copied)."""
+    saved = copy.copy(c)
     if isinstance(c, QuantizedRotatingKVCache):
-        saved = copy.copy(c)
         saved.rings = [copy_cache(r) for r in c.rings]
         return saved
-    saved = copy.copy(c)
+    if isinstance(c, ValueOnlyKVCache):
+        saved.buffers = None if c.buffers is None else [mx.array(b) for b in c.buffers]
+        return saved
     if c.keys is not None:
         saved.keys, saved.values = tree_map(mx.array, (c.keys, c.values))
     return saved

@@ -116,6 +116,12 @@ class Attention(nn.Module):
         # and views would keep the whole merged q/k/v buffers alive with it (3x the prefill's memory).
         return ops.rope(scaled[:, :Hq], offset, self.rope), ops.rope(scaled[:, Hq:], offset, self.rope), mx.contiguous(v)
 
+    def keys_from_values(self, values, start: int = 0) -> ops.DerivedKeys:
+        """A K=V layer's keys from its cached values (an array or a quantized triple), made when
+        attention reads them: ``rope(k_norm.weight * values)``, the product and rotation
+        :meth:`project` makes new keys with."""
+        return ops.DerivedKeys(values, self.k_norm.weight, self.rope, self.head_dim, start)
+
     def output(self, out):
         """The output projection of the attention result [B, H, L, D]."""
         B, _, L, _ = out.shape

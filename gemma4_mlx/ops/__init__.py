@@ -17,6 +17,7 @@ import mlx.core as mx
 
 from . import compiled as _compiled_functions
 from . import reference
+from .derived_keys import DerivedKeys
 
 REFERENCE_ONLY = os.environ.get("GEMMA4_MLX_REFERENCE_OPS", "").strip() not in ("", "0")
 
@@ -54,7 +55,8 @@ def implementation(name: str) -> Callable:
 
 def attention(q: mx.array, k: mx.array, v: mx.array, scale: float, mask) -> mx.array:
     """Scaled dot-product attention, q [B, H, L, D], k/v [B, KV, S, D] (any GQA ratio) or a quantized
-    cache's ``(packed, scales, biases)`` triples; ``mask`` is None, "causal" or a boolean/additive
+    cache's ``(packed, scales, biases)`` triples, or (a K=V layer's cache) ``k`` a
+    :class:`~.derived_keys.DerivedKeys` made from ``v``; ``mask`` is None, "causal" or a boolean/additive
     array broadcastable to [B, H, L, S]."""
     return implementation("attention")(q, k, v, scale, mask)
 
@@ -87,4 +89,4 @@ def moe_experts(x: mx.array, indices: mx.array, weights: mx.array, switch_glu) -
 
 OPS = ("attention", "rms_norm", "add_rms_norm", "rope", "geglu", "moe_experts")
 
-__all__ = ["register", "implementation", "invalidate_compiled", "REFERENCE_ONLY", *OPS]
+__all__ = ["register", "implementation", "invalidate_compiled", "DerivedKeys", "REFERENCE_ONLY", *OPS]

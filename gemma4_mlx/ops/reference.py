@@ -9,16 +9,27 @@ import mlx.nn as nn
 from mlx_lm.models.base import quantized_scaled_dot_product_attention
 
 from . import blockwise
+from .derived_keys import DerivedKeys, dense_values
 from .compiled import compiled
 
 
 def attention(q, k, v, scale, mask):
+    if isinstance(k, DerivedKeys):
+        return derived_keys_attention(q, k, v, scale, mask)
     # Quantized caches hand over (packed, scales, biases) triples; MLX's fused attention takes arrays.
     direct = quantized_attention if isinstance(k, (tuple, list)) else mx.fast.scaled_dot_product_attention
     # A long chunk's scores beyond the budget: computed in query blocks (see blockwise.py).
     if q.shape[2] > 1 and blockwise.scores_bytes(q, k) > blockwise.SCORES_BUDGET:
         return blockwise.attention_in_query_blocks(q, k, v, scale, mask, blockwise.query_block_size(q, k), direct)
     return direct(q, k, v, scale=scale, mask=mask)
+
+
+def derived_keys_attention(q, k: DerivedKeys, v, scale, mask):
+    """Attention over a K=V layer's derived keys: made all at once while they (and the values,
+    dequantized if quantized) fit the scores budget, else made and read in key blocks."""
+    if k.dense_bytes() <= blockwise.SCORES_BUDGET:
+        return attention(q, k.block(), dense_values(v, k.head_dim), scale, mask)
+    return blockwise.attention_over_key_blocks(q, k, v, scale, mask, blockwise.key_block_size(q, k))
 
 
 def quantized_attention(q, k, v, scale, mask=None):
