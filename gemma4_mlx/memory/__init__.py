@@ -110,12 +110,12 @@ def workspace_bytes(
     activations = chunk * (3 * widest_mlp + 8 * text.hidden_size) * bytes_per_value  # gate, up, their product; residuals
     logits = text.vocab_size * 4 * 2
     # A K=V layer's keys made from its values (and the values dequantized, when quantized): at most
-    # the scores budget at once, past it a key block at a time (ops/blockwise.py).
+    # the scores budget at once; past it a key block at a time (ops/blockwise.py), counted as the
+    # budget all the same, so that the estimate never shrinks as the context grows.
     derived = 0
     if single_kv_storage and any(s.k_eq_v for s in text.layers):
         widest = max(s.num_kv_heads * s.head_dim for s in text.layers if s.k_eq_v)
-        all_at_once = widest * context * bytes_per_value * (2 if kv_bits is not None else 1)
-        derived = all_at_once if all_at_once <= blockwise.SCORES_BUDGET else 0
+        derived = min(widest * context * bytes_per_value * (2 if kv_bits is not None else 1), blockwise.SCORES_BUDGET)
     return scores + derived + sliding * chunk + activations + logits
 
 
