@@ -3,12 +3,14 @@
     python -m app                                   # google/gemma-4-E2B-it, converted to 4-bit on first use
     python -m app --model ./gemma-4-31b-4bit        # a converted folder, an HF folder or a Hub repo id
     python -m app --demo                            # a tiny random model: try the interface, no download
+    python -m app --api-only --api-key SECRET       # the OpenAI-compatible API (/v1) without the page
 """
 
 from __future__ import annotations
 
 import argparse
 import errno
+import os
 import socket
 import sys
 
@@ -63,7 +65,19 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--draft-model", default=None, help="a Gemma 4 assistant (folder or Hub id) for speculative decoding "
                    "(default: the model's own, <repo>-assistant, when it can be found)")  # fmt: skip
     p.add_argument("--no-draft", action="store_true", help="no speculative decoding")
+    api = p.add_argument_group("OpenAI-compatible API (served at /v1 beside the page)")
+    api.add_argument("--api-key", default=os.environ.get("GEMMA4_MLX_API_KEY"),
+                     help="require this bearer token on API requests (default: $GEMMA4_MLX_API_KEY, else none)")  # fmt: skip
+    api.add_argument("--no-api", action="store_true", help="serve the page only")
+    api.add_argument("--api-only", action="store_true", help="serve the API only, without the page")
+    api.add_argument("--allow-fetch", action="store_true", help="let API requests name media by http(s) URL, which the server downloads")
     args = p.parse_args(argv)
+    if args.no_api and args.api_only:
+        p.error("--no-api and --api-only exclude each other")
+    if args.api_key is not None and not args.api_key.strip():
+        p.error("--api-key is empty")
+    if args.host not in ("127.0.0.1", "localhost", "::1") and args.api_key is None and not args.no_api:
+        print("python -m app: the API is reachable from the network with no key; consider --api-key", file=sys.stderr)
 
     # Checked before anything starts: Gradio would only fail after the model began loading, with a
     # traceback. (Another program can still take the port in between; Gradio then reports it.)
@@ -75,16 +89,38 @@ def main(argv: list[str] | None = None) -> int:
     bits = args.quantize
     if bits is None and args.model is None and not args.no_quantize:
         bits = 4
-    from .ui import build_app, launch
+    from .api import make_router
 
     draft = False if args.no_draft else (args.draft_model or True)
     holder = ModelHolder(args.model, bits, demo=args.demo, dtype=args.dtype, draft=draft).start()
+    router = None if args.no_api else make_router(holder, args.api_key, args.allow_fetch)
+    if args.api_only:
+        return serve_api(router, holder, args.host, args.port)
+    from .ui import build_app, launch
+
     app = build_app(holder)
     try:
         # Blocks until Ctrl-C (Gradio catches it and closes the server).
-        launch(app, server_name=args.host, server_port=args.port, share=args.share, inbrowser=not args.no_browser)
+        launch(app, api=router, server_name=args.host, server_port=args.port, share=args.share, inbrowser=not args.no_browser)
     finally:
         shutdown(app, holder)
+    return 0
+
+
+def serve_api(router, holder: ModelHolder, host: str, port: int) -> int:
+    """The API alone, on the server Gradio uses (FastAPI on uvicorn), until Ctrl-C."""
+    import uvicorn
+    from fastapi import FastAPI
+
+    server = FastAPI(title="Gemma 4 on MLX", docs_url=None, redoc_url=None)
+    server.include_router(router)
+    print(f"OpenAI-compatible API: http://{host}:{port}/v1", flush=True)
+    try:
+        uvicorn.run(server, host=host, port=port, log_level="warning")
+    finally:
+        if holder.engine is not None:
+            holder.engine.close()
+        holder.close(timeout=60)
     return 0
 
 

@@ -36,6 +36,7 @@ STATS_TITLE = "Stats: "
 ERROR_NOTE = "app-note-error"
 WAIT_NOTE = "app-note-wait"
 E2B_DOWNLOAD = "about 10 GB (E2B in bf16: 10.2 GB)"
+KEPT_CONVERSATIONS = 4  # KV caches the engine keeps, one per recent conversation (see ChatEngine)
 
 
 class ModelUnavailable(Exception):
@@ -104,7 +105,11 @@ class ModelHolder:
             tic = time.perf_counter()
             model, processor = gemma4_mlx.load(path, dtype=self.dtype)
             drafter, why_not = self._drafter(model)
-            self.engine = ChatEngine(model, processor, draft_model=drafter)
+            # The page's conversations and the API's clients share the engine: it keeps the KV
+            # caches of several recent conversations, within a quarter of the device's memory.
+            from gemma4_mlx.memory import device_memory
+
+            self.engine = ChatEngine(model, processor, draft_model=drafter, max_caches=KEPT_CONVERSATIONS, cache_memory=device_memory() // 4)
             with_drafter = f", drafting with {self.drafter_name}" if drafter is not None else (f" ({why_not})" if why_not else "")
             self.status = f"Ready: {self.name} ({time.perf_counter() - tic:.1f} s to load){with_drafter}"
         except _Cancelled:

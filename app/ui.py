@@ -11,6 +11,8 @@ local storage through gr.BrowserState; app/store.py holds the store's logic.
 
 from __future__ import annotations
 
+import contextlib
+
 import html
 import re
 import tempfile
@@ -171,9 +173,19 @@ def build_app(holder: ModelHolder) -> gr.Blocks:
     return demo
 
 
-def launch(app: gr.Blocks, **kwargs):
-    """``app.queue().launch(**kwargs)`` with the page's CSS."""
-    return app.queue().launch(css=CSS, **kwargs)
+def launch(app: gr.Blocks, api=None, **kwargs):
+    """``app.queue().launch(**kwargs)`` with the page's CSS; ``api`` (a FastAPI router, the
+    OpenAI-compatible API of :mod:`app.api`) is served beside the page by the same server."""
+    app_kwargs = {}
+    if api is not None:
+
+        @contextlib.asynccontextmanager
+        async def with_api(server):  # Gradio's FastAPI app, as it starts
+            server.include_router(api)
+            yield
+
+        app_kwargs["lifespan"] = with_api
+    return app.queue().launch(css=CSS, app_kwargs=app_kwargs, **kwargs)
 
 
 def _layout(holder: ModelHolder) -> Page:

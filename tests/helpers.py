@@ -85,14 +85,15 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def launch(holder, port: int | None = None):
-    """Serve the app for ``holder`` (an ``app.backend.ModelHolder``) on localhost; (app, url)."""
+def launch(holder, port: int | None = None, api=None):
+    """Serve the app for ``holder`` (an ``app.backend.ModelHolder``) on localhost, with ``api`` (a
+    router from ``app.api.make_router``) beside it; (app, url)."""
     from app.ui import build_app
     from app.ui import launch as launch_app
 
     app = build_app(holder)
     port = port or free_port()
-    launch_app(app, server_name="127.0.0.1", server_port=port, prevent_thread_lock=True, quiet=True)
+    launch_app(app, api=api, server_name="127.0.0.1", server_port=port, prevent_thread_lock=True, quiet=True)
     return app, f"http://127.0.0.1:{port}/"
 
 

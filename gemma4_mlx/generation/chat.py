@@ -33,7 +33,7 @@ from .decode import GENERATION_STREAM, generate_tokens
 from .speculative import DEFAULT_DRAFT_TOKENS, SpeculativeStats, load_checked_drafter, speculative_tokens
 from .options import GenerationOptions
 from .pipeline import Timing, prepare_request
-from .prompt_cache import PromptCache
+from .prompt_cache import PromptCache, PromptCachePool
 from .reply import Reply, ReplySplitter
 
 
@@ -87,10 +87,16 @@ class ChatChunk:
 class ChatEngine:
     """Streams replies to conversations, reusing the KV cache of their common prefix."""
 
-    def __init__(self, model, processor, max_snapshots: int = 2, draft_model=None, num_draft_tokens: int = DEFAULT_DRAFT_TOKENS):
+    def __init__(
+        self, model, processor, max_snapshots: int = 2, draft_model=None, num_draft_tokens: int = DEFAULT_DRAFT_TOKENS,
+        max_caches: int = 1, cache_memory: int | None = None,
+    ):  # fmt: skip
         """``draft_model`` (a Gemma 4 assistant: folder, Hub id or loaded drafter) speeds replies up
         by speculative decoding, ``num_draft_tokens`` per target step (``speculative=False`` in a
-        reply's options turns it off for that reply)."""
+        reply's options turns it off for that reply). ``max_caches``: the KV caches of that many
+        recent conversations are kept, each request continuing the one that shares most of its
+        prompt (a server with several clients); ``cache_memory`` bounds their bytes (the least
+        recently used go first)."""
         self.model = model
         self.processor = processor
         model.materialize()  # it is used from the engine's own thread
@@ -100,7 +106,7 @@ class ChatEngine:
         self.num_draft_tokens = num_draft_tokens
         if self.drafter is not None:
             self.drafter.materialize()  # used from the engine's thread too
-        self.prompt_cache = PromptCache(model, max_snapshots, sliding_slack=1 if self.drafter is not None else 0)
+        self.caches = PromptCachePool(model, max_caches, max_snapshots, 1 if self.drafter is not None else 0, cache_memory)
         # Recent replies' text -> the token ids generated for it. When a conversation comes back with
         # one of them, it is rendered with these ids rather than its re-tokenized text, so the prompt
         # continues exactly what the cache holds (re-tokenizing generated text often gives other ids).
@@ -162,6 +168,11 @@ class ChatEngine:
             if not finished:
                 opts.stop_event.set()  # the caller went away: stop generating
 
+    @property
+    def prompt_cache(self) -> PromptCache:
+        """The KV cache of the latest reply (see ``max_caches``)."""
+        return self.caches.latest
+
     def _submit(self, job) -> None:
         if self._worker is None or not self._worker.is_alive():
             self._worker = threading.Thread(target=_work, args=(self._jobs,), name="gemma4-chat-engine", daemon=True)
@@ -188,7 +199,7 @@ class ChatEngine:
         # or editing the last message rewinds to one of them, and so does the next turn when the
         # template renders the reply differently from how it was generated.
         turn_starts = [i for i, t in enumerate(ids) if t == self._turn_start_id]
-        pc = self.prompt_cache
+        pc = self.caches.take(ids)
         quantization = (o.kv_bits, o.kv_group_size)
         check_fits(self.model, len(ids) + request.max_tokens, pc.cache, o.prefill_step_size, *quantization)  # before the cache changes
         if not o.reuse or pc.kv_quantization != quantization:
@@ -217,7 +228,7 @@ class ChatEngine:
         yield from self._decode(request, last_embeds, o, timing, stats, drafting)
 
     def _decode(self, request, last_embeds, o, timing, stats, drafting) -> Iterator[ChatChunk]:
-        ids, pc, stop_event = request.ids, self.prompt_cache, o.stop_event
+        ids, pc, stop_event = request.ids, self.caches.latest, o.stop_event
         tool_response = self._tool_response_ids()
         eos = set(self.processor.eos_token_ids) | tool_response
         splitter = ReplySplitter(self.processor)
@@ -266,6 +277,7 @@ class ChatEngine:
             tokens.close()
             # The decode loop runs one step ahead: the cache holds the prompt and every token fed so far.
             pc.advance(ids + generated)
+            self.caches.fit()
 
     def _remember(self, splitter: ReplySplitter, keep: int = 2048) -> None:
         """Keep the ids of a finished reply's answer, keyed by its text (the ``keep`` latest texts).

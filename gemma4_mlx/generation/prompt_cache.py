@@ -42,6 +42,13 @@ class PromptCache:
     def offset(self) -> int:
         return self.cache[0].offset if self.cache else len(self.ids)
 
+    def reusable(self, ids: list[int]) -> int:
+        """How many of the prompt ``ids``'s tokens :meth:`reuse` would keep (nothing changes)."""
+        usable = min(common_prefix_len(self.ids, ids), len(ids) - 1)
+        if usable == len(self.ids):
+            return usable
+        return max((p for p in self.snapshots if p <= usable), default=0)
+
     def reuse(self, ids: list[int]) -> int:
         """Prepare the cache for the prompt ``ids``; returns how many of its tokens it already holds.
 
@@ -108,3 +115,51 @@ class PromptCache:
         for saved in self.snapshots.values():
             total += sum(s.nbytes for s in saved if s is not None and not s.empty())
         return total
+
+
+class PromptCachePool:
+    """The caches of several recent conversations (a server's clients, the app's tabs): each
+    request continues the cache that keeps most of its prompt when that is most of what the cache
+    holds (the same conversation, maybe rewound to an edited turn); otherwise it gets a new cache
+    while there is room (``size`` caches), so that another conversation's cache is not cut back to
+    a shared system prompt, and else the cache that keeps most, or the least recently used. Caches
+    beyond ``memory_limit`` bytes in all are dropped, least recently used first (the one in use
+    always stays)."""
+
+    def __init__(self, model, size: int = 1, max_snapshots: int = 2, sliding_slack: int = 0, memory_limit: int | None = None):
+        if size < 1:
+            raise ValueError(f"a prompt cache pool holds at least one cache, not {size}")
+        self.model, self.size, self.memory_limit = model, size, memory_limit
+        self._new = lambda: PromptCache(model, max_snapshots, sliding_slack)
+        self.caches: list[PromptCache] = [self._new()]  # least recently used first
+
+    @property
+    def latest(self) -> PromptCache:
+        """The cache used last."""
+        return self.caches[-1]
+
+    def take(self, ids: list[int]) -> PromptCache:
+        """The cache for the prompt ``ids`` (made the most recently used)."""
+        kept, best = max(((c.reusable(ids), c) for c in self.caches), key=lambda pair: pair[0])
+        if kept <= len(best.ids) // 2:  # not the same conversation
+            empty = next((c for c in self.caches if not c.ids), None)
+            if empty is not None:
+                best = empty
+            elif len(self.caches) < self.size:
+                best = self._new()
+                self.caches.append(best)
+            elif kept == 0:
+                best = self.caches[0]
+        self.caches.remove(best)
+        self.caches.append(best)
+        return best
+
+    def fit(self) -> None:
+        """Drop the least recently used caches while all of them hold more than ``memory_limit``."""
+        if self.memory_limit is None:
+            return
+        while len(self.caches) > 1 and sum(c.nbytes() for c in self.caches) > self.memory_limit:
+            self.caches.pop(0)
+
+    def nbytes(self) -> int:
+        return sum(c.nbytes() for c in self.caches)
