@@ -260,16 +260,19 @@ def test_three_concurrent_clients_get_their_own_replies(server, client):
 
 
 def test_the_cache_pool_keeps_conversations_apart(e2b):
-    """Two conversations alternating keep their own caches; a third, with the pool full, takes the
-    least recently used; within the memory limit."""
-    pool = PromptCachePool(e2b.model, size=2)
-    a = pool.take([2, 10, 11, 12, 13])
-    a.ids = [2, 10, 11, 12, 13]
-    b = pool.take([2, 20, 21])
+    """Conversations alternating keep their own caches (one sharing a system prompt too); a new turn
+    or an edited last message continues its own; with the pool full, the least recently used goes."""
+    T = 7  # the turn marker
+    pool = PromptCachePool(e2b.model, size=2, turn_start_id=T)
+    a_ids = [2, T, 50, 51, T, 60, 61, T, 70, 71, T, 62, T, 72]  # system, user, model, user, model
+    a = pool.take(a_ids)
+    a.ids = a_ids
+    b = pool.take([2, T, 50, 51, T, 90, 91])  # the same system prompt, another question
     assert b is not a
-    b.ids = [2, 20, 21]
-    assert pool.take([2, 10, 11, 12, 13, 14]) is a
-    assert pool.take([2, 30]) is b  # full: the least recently used
+    b.ids = [2, T, 50, 51, T, 90, 91, T, 92]
+    assert pool.take(a_ids + [T, 80]) is a  # a new turn of the first conversation
+    assert pool.take([2, T, 50, 51, T, 60, 61, T, 70, 71, T, 99]) is a  # its last message edited
+    assert pool.take([2, T, 55]) is b  # a third conversation, the pool full: the least recently used
     assert pool.latest is b
 
 

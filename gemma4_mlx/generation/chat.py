@@ -106,7 +106,8 @@ class ChatEngine:
         self.num_draft_tokens = num_draft_tokens
         if self.drafter is not None:
             self.drafter.materialize()  # used from the engine's thread too
-        self.caches = PromptCachePool(model, max_caches, max_snapshots, 1 if self.drafter is not None else 0, cache_memory)
+        turn_start = processor.tokenizer.convert_tokens_to_ids("<|turn>")
+        self.caches = PromptCachePool(model, max_caches, max_snapshots, 1 if self.drafter is not None else 0, cache_memory, turn_start)
         # Recent replies' text -> the token ids generated for it. When a conversation comes back with
         # one of them, it is rendered with these ids rather than its re-tokenized text, so the prompt
         # continues exactly what the cache holds (re-tokenizing generated text often gives other ids).

@@ -118,18 +118,23 @@ class PromptCache:
 
 
 class PromptCachePool:
-    """The caches of several recent conversations (a server's clients, the app's tabs): each
-    request continues the cache that keeps most of its prompt when that is most of what the cache
-    holds (the same conversation, maybe rewound to an edited turn); otherwise it gets a new cache
-    while there is room (``size`` caches), so that another conversation's cache is not cut back to
-    a shared system prompt, and else the cache that keeps most, or the least recently used. Caches
-    beyond ``memory_limit`` bytes in all are dropped, least recently used first (the one in use
-    always stays)."""
+    """The caches of several recent conversations (a server's clients, the app's tabs).
 
-    def __init__(self, model, size: int = 1, max_snapshots: int = 2, sliding_slack: int = 0, memory_limit: int | None = None):
+    A request continues the cache of its own conversation: one it shares at least all but that
+    cache's last two turns with (a new turn, or the last message regenerated or edited), the one
+    keeping most of the prompt. A prompt that diverges earlier (another conversation, maybe with
+    the same system prompt) gets an empty cache, a new one while there is room (``size`` caches),
+    or else the least recently used: never cutting another conversation back to a shared system
+    prompt. Caches beyond ``memory_limit`` bytes in all are dropped, least recently used first
+    (the one in use always stays). ``turn_start_id`` marks turns (``<|turn>``)."""
+
+    def __init__(
+        self, model, size: int = 1, max_snapshots: int = 2, sliding_slack: int = 0, memory_limit: int | None = None,
+        turn_start_id: int | None = None,
+    ):  # fmt: skip
         if size < 1:
             raise ValueError(f"a prompt cache pool holds at least one cache, not {size}")
-        self.model, self.size, self.memory_limit = model, size, memory_limit
+        self.model, self.size, self.memory_limit, self.turn_start_id = model, size, memory_limit, turn_start_id
         self._new = lambda: PromptCache(model, max_snapshots, sliding_slack)
         self.caches: list[PromptCache] = [self._new()]  # least recently used first
 
@@ -138,18 +143,23 @@ class PromptCachePool:
         """The cache used last."""
         return self.caches[-1]
 
+    def _same_conversation(self, cache: PromptCache, ids: list[int]) -> bool:
+        if self.size == 1:
+            return True  # nowhere else to go
+        starts = [i for i, t in enumerate(cache.ids) if t == self.turn_start_id]
+        return common_prefix_len(cache.ids, ids) >= (starts[-2] if len(starts) >= 2 else 0)
+
     def take(self, ids: list[int]) -> PromptCache:
         """The cache for the prompt ``ids`` (made the most recently used)."""
-        kept, best = max(((c.reusable(ids), c) for c in self.caches), key=lambda pair: pair[0])
-        if kept <= len(best.ids) // 2:  # not the same conversation
-            empty = next((c for c in self.caches if not c.ids), None)
-            if empty is not None:
-                best = empty
-            elif len(self.caches) < self.size:
+        own = [((c.reusable(ids), common_prefix_len(c.ids, ids)), c) for c in self.caches if c.ids and self._same_conversation(c, ids)]
+        if own:
+            best = max(own, key=lambda pair: pair[0])[1]
+        else:
+            best = next((c for c in self.caches if not c.ids), None)
+            if best is None and len(self.caches) < self.size:
                 best = self._new()
                 self.caches.append(best)
-            elif kept == 0:
-                best = self.caches[0]
+            best = best or self.caches[0]
         self.caches.remove(best)
         self.caches.append(best)
         return best
