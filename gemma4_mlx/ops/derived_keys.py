@@ -37,13 +37,18 @@ class DerivedKeys:
     start: int = 0
 
     @property
+    def _packed(self) -> mx.array:
+        """The values array, or a quantized triple's packed values (same batch, heads and tokens)."""
+        return self.values[0] if isinstance(self.values, (tuple, list)) else self.values
+
+    @property
     def count(self) -> int:
         """How many keys."""
-        return (self.values[0] if isinstance(self.values, (tuple, list)) else self.values).shape[2]
+        return self._packed.shape[2]
 
     @property
     def heads(self) -> int:
-        return (self.values[0] if isinstance(self.values, (tuple, list)) else self.values).shape[1]
+        return self._packed.shape[1]
 
     @property
     def dtype(self) -> mx.Dtype:
@@ -56,8 +61,7 @@ class DerivedKeys:
 
     def dense_bytes(self) -> int:
         """Bytes of all the keys made at once, with the values dequantized if they are quantized."""
-        B = (self.values[0] if isinstance(self.values, (tuple, list)) else self.values).shape[0]
-        one = B * self.heads * self.count * self.head_dim * self.dtype.size
+        one = self._packed.shape[0] * self.heads * self.count * self.head_dim * self.dtype.size
         return one * (2 if isinstance(self.values, (tuple, list)) else 1)
 
 
