@@ -18,7 +18,7 @@ import argparse
 from mlx.utils import tree_flatten
 
 from gemma4_mlx.config import ModelConfig
-from gemma4_mlx.models.gemma4 import Gemma4Model
+from gemma4_mlx.models import build_model
 from gemma4_mlx.variants import VARIANTS, published_config
 
 from .converter import DTYPES, cast_and_quantize
@@ -27,7 +27,7 @@ PARTS = ("text", "ple", "vision", "audio")
 
 
 def _part(key: str) -> str:
-    if key.startswith(("vision_tower.", "embed_vision.")):
+    if key.startswith(("vision_tower.", "embed_vision.", "vision_embedder.")):
         return "vision"
     if key.startswith(("audio_tower.", "embed_audio.")):
         return "audio"
@@ -39,7 +39,7 @@ def converted_bytes(config: dict, **options) -> dict[str, int]:
     ``q_group_size``, ``q_mode``, ``quant_recipe``, ``quantize_towers``) writes for a checkpoint with
     ``config`` (a ``config.json`` dict), by part: ``text`` (decoder and tied embedding), ``ple`` (the
     per-layer embedding table), ``vision``, ``audio`` (towers with their embedders), and ``total``."""
-    model = Gemma4Model(ModelConfig.from_dict(config))  # lazy: nothing is allocated
+    model = build_model(ModelConfig.from_dict(config))  # lazy: nothing is allocated
     cast_and_quantize(model, **options)  # the converter's own casting and quantization rules
     sizes = dict.fromkeys(PARTS, 0)
     for key, value in tree_flatten(model.parameters()):
@@ -50,7 +50,7 @@ def converted_bytes(config: dict, **options) -> dict[str, int]:
 
 def parameter_count(config: dict) -> dict[str, int]:
     """Parameters by part (as in :func:`converted_bytes`), counted on the unquantized model."""
-    model = Gemma4Model(ModelConfig.from_dict(config))
+    model = build_model(ModelConfig.from_dict(config))
     counts = dict.fromkeys(PARTS, 0)
     for key, value in tree_flatten(model.parameters()):
         counts[_part(key)] += value.size

@@ -24,10 +24,24 @@ from .errors import ConfigError, UnsupportedModelError
 SLIDING = "sliding_attention"
 FULL = "full_attention"
 
-SUPPORTED_MODEL_TYPES = ("gemma4", "gemma4_text")
+SUPPORTED_MODEL_TYPES = ("gemma4", "gemma4_text", "gemma4_unified", "gemma4_unified_text")
+# The 12B unified (encoder-free) model: its own multimodal embedders, the same decoder.
+UNIFIED_MODEL_TYPES = ("gemma4_unified", "gemma4_unified_text")
+
+# transformers' Gemma4UnifiedTextConfig: no per-layer embeddings or MoE (those fields are deleted
+# from it, so its config.json never states them), and other defaults than Gemma4TextConfig's.
+UNIFIED_TEXT_DEFAULTS = dict(sliding_window=1024, use_bidirectional_attention="vision", max_position_embeddings=262_144)
+UNIFIED_TEXT_ABSENT = dict(hidden_size_per_layer_input=0, vocab_size_per_layer_input=0, enable_moe_block=False,
+                           num_experts=None, top_k_experts=None, moe_intermediate_size=None)  # fmt: skip
 
 
-
+def unified_text_config(raw: dict[str, Any]) -> dict[str, Any]:
+    """A ``gemma4_unified_text`` config as a Gemma 4 text config: its defaults, and no PLE or MoE
+    (fields a unified config cannot have; a value other than none is refused)."""
+    for name, absent in UNIFIED_TEXT_ABSENT.items():
+        if raw.get(name) not in (None, absent, 0, False):
+            raise ConfigError(f"a Gemma 4 unified text config has no {name} (got {raw[name]!r})")
+    return {**UNIFIED_TEXT_DEFAULTS, **raw, **UNIFIED_TEXT_ABSENT}
 
 @dataclass(frozen=True)
 class LayerSpec:
@@ -254,8 +268,10 @@ class ModelConfig:
         quantization = raw.pop("quantization", None) or raw.pop("quantization_config", None)
         if quantization is not None and not isinstance(quantization, dict):
             raise ConfigError(f"quantization must be a JSON object, not {type(quantization).__name__}")
-        if model_type == "gemma4_text":
-            text = TextConfig.from_dict({k: v for k, v in raw.items() if k != "model_type"}, where="config")
+        unified = model_type in UNIFIED_MODEL_TYPES
+        if model_type in ("gemma4_text", "gemma4_unified_text"):
+            text_raw = {k: v for k, v in raw.items() if k != "model_type"}
+            text = TextConfig.from_dict(unified_text_config(text_raw) if unified else text_raw, where="config")
             return cls(model_type=model_type, text_config=text, quantization=quantization)
 
         text_raw = raw.get("text_config") or {}
@@ -282,7 +298,7 @@ class ModelConfig:
         consumed = {"model_type", "text_config", "vision_config", "audio_config", "eoa_token_index", *ids}
         return cls(
             model_type=model_type,
-            text_config=TextConfig.from_dict(text_raw),
+            text_config=TextConfig.from_dict(unified_text_config(text_raw) if unified else text_raw),
             vision_config=raw.get("vision_config"),
             audio_config=raw.get("audio_config"),
             quantization=quantization,
@@ -299,6 +315,11 @@ class ModelConfig:
             return cls.from_dict(raw)
         except ConfigError as e:
             raise ConfigError(f"{path}: {e}") from None
+
+    @property
+    def is_unified(self) -> bool:
+        """The 12B unified model (patches and waveforms embedded straight into the decoder)."""
+        return self.model_type in UNIFIED_MODEL_TYPES
 
     @property
     def eos_token_ids(self) -> list[int]:

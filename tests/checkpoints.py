@@ -83,6 +83,23 @@ FAMILIES = {
 }
 
 
+# The 12B unified model's shape family: a dense decoder without PLE, image blocks attended
+# bidirectionally; tiny encoder-free embedders (6912 raw values per 48 px patch, 640 per audio frame).
+UNIFIED = dict(
+    hidden_size=64,
+    intermediate_size=128,
+    num_hidden_layers=6,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    head_dim=32,
+    global_head_dim=64,
+    layer_types=[S, S, F] * 2,
+    sliding_window=8,
+)
+UNIFIED_VISION = dict(mm_embed_dim=48, output_proj_dims=48, mm_posemb_size=128)
+UNIFIED_AUDIO = dict(audio_embed_dim=640)
+
+
 def text_config(family: str, **overrides) -> dict:
     cfg = dict(
         vocab_size=VOCAB,
@@ -94,7 +111,7 @@ def text_config(family: str, **overrides) -> dict:
         bos_token_id=2,
         eos_token_id=1,
     )
-    cfg.update(FAMILIES[family])
+    cfg.update(UNIFIED if family == "unified" else FAMILIES[family])
     cfg.update(overrides)
     return cfg
 
@@ -131,6 +148,33 @@ def build_hf_model(family: str, seed: int = 0, text_only: bool = False, vision_c
             elif name.endswith("std_scale"):
                 p.copy_(torch.empty_like(p).uniform_(0.5, 1.5, generator=g))
             elif name.endswith("std_bias") or name.endswith("position_embedding_table"):
+                p.copy_(torch.randn(p.shape, generator=g) * 0.5)
+    model.eval()
+    model.config._attn_implementation = "eager"
+    return model
+
+
+def build_hf_unified(seed: int = 0, vision_config=UNIFIED_VISION, audio_config=UNIFIED_AUDIO, **overrides):
+    """A random fp32 ``Gemma4UnifiedForConditionalGeneration`` (the 12B's shapes, tiny), with
+    non-trivial norms, scalars, LayerNorm biases and position embeddings."""
+    from transformers import Gemma4UnifiedConfig, Gemma4UnifiedForConditionalGeneration
+
+    torch.manual_seed(seed)
+    tc = text_config("unified", **overrides)
+    for k in ("vocab_size_per_layer_input",):
+        tc.pop(k, None)
+    cfg = Gemma4UnifiedConfig(text_config=tc, vision_config=vision_config, audio_config=audio_config, **media_token_ids())
+    model = Gemma4UnifiedForConditionalGeneration(cfg)
+    g = torch.Generator().manual_seed(seed + 1)
+    with torch.no_grad():
+        for name, p in list(model.named_parameters()) + list(model.named_buffers()):
+            if name.endswith(("q_norm.weight", "k_norm.weight")):
+                p.copy_(torch.empty_like(p).uniform_(0.25, 0.6, generator=g))
+            elif name.endswith("norm.weight") or (("layernorm" in name or "_ln" in name) and name.endswith("weight")):
+                p.copy_(torch.empty_like(p).uniform_(0.5, 1.5, generator=g))
+            elif name.endswith("layer_scalar"):
+                p.copy_(torch.empty_like(p).uniform_(0.5, 1.0, generator=g))
+            elif "embed_vision" in name and name.endswith(("bias", "pos_embedding")):
                 p.copy_(torch.randn(p.shape, generator=g) * 0.5)
     model.eval()
     model.config._attn_implementation = "eager"

@@ -21,7 +21,7 @@ import mlx.core as mx
 
 from ..config import ModelConfig
 from ..errors import CheckpointError, ConfigError, UnsupportedModelError
-from ..models.gemma4 import Gemma4Model
+from ..models import Gemma4Model, build_model
 from .checkpoint import check_weights, read_weights, rename, sanitize, weight_files
 from .hub import resolve_model_path
 from .quantization import quantize_like_checkpoint
@@ -52,7 +52,7 @@ def load_model(
         raise FileNotFoundError(f"model folder not found: {model_path}")
     config = load_config(model_path)
     try:
-        model = Gemma4Model(config)
+        model = build_model(config)
     except ConfigError as e:  # a tower config with a field of the wrong type
         raise ConfigError(f"{model_path / 'config.json'}: {e}") from None
     files = weight_files(model_path)

@@ -14,7 +14,7 @@ from ..config import ModelConfig, read_json_object
 from ..errors import CheckpointError, ConfigError
 
 # Tower weights belong to the multimodal encoders; the text model ignores them.
-TOWER_PREFIXES = ("vision_tower.", "audio_tower.", "embed_vision.", "embed_audio.", "multi_modal_projector.")
+TOWER_PREFIXES = ("vision_tower.", "audio_tower.", "embed_vision.", "embed_audio.", "multi_modal_projector.", "vision_embedder.")
 
 
 def _shard_name(index: Path, name: Any) -> str:
@@ -98,7 +98,7 @@ def sanitize(weights: dict[str, mx.array], config: ModelConfig) -> dict[str, mx.
         k = rename(key)
         if k.startswith(TOWER_PREFIXES):
             tower = k.split(".", 1)[0]
-            if (tower in ("vision_tower", "embed_vision") and config.vision_config) or (
+            if (tower in ("vision_tower", "embed_vision", "vision_embedder") and config.vision_config) or (
                 tower in ("audio_tower", "embed_audio") and config.audio_config
             ):
                 out[k] = value

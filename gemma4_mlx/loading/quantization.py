@@ -15,7 +15,9 @@ from .checkpoint import rename
 
 MODES = {"affine": (2, 3, 4, 5, 6, 8), "mxfp4": (4,), "mxfp8": (8,)}  # bits each mode supports
 RECIPES = ("mixed_2_6", "mixed_3_4", "mixed_3_6", "mixed_4_6", "mixed_4_8")
-TOWERS = ("vision_tower", "audio_tower", "embed_vision", "embed_audio")
+# Kept in float unless asked (--quantize-towers): encoders and embedders that read raw pixels or
+# samples, where a quantization error is never corrected downstream; they are small beside the decoder.
+TOWERS = ("vision_tower", "audio_tower", "embed_vision", "embed_audio", "vision_embedder")
 
 
 @dataclass

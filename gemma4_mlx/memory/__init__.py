@@ -158,13 +158,14 @@ def _described_weights_bytes(config: ModelConfig) -> int:
     import mlx.nn as nn
     from mlx.utils import tree_flatten
 
-    from ..models.gemma4 import Gemma4Model
+    from ..loading.quantization import TOWERS
+    from ..models import build_model
 
-    model = Gemma4Model(config)
+    model = build_model(config)
     q = config.quantization
     if q:
         nn.quantize(model, group_size=q.get("group_size", 64), bits=q.get("bits", 4), mode=q.get("mode", "affine"),
-                    class_predicate=lambda p, m: hasattr(m, "to_quantized") and not p.startswith(("vision_tower", "audio_tower")))  # fmt: skip
+                    class_predicate=lambda p, m: hasattr(m, "to_quantized") and not p.startswith(TOWERS))  # fmt: skip
     else:
         import mlx.core as mx
 

@@ -54,7 +54,7 @@ class Gemma4Model(nn.Module):
         # multimodal model overwrites those embeddings with soft tokens.
         self._media_token_ids = (
             [i for i in (config.image_token_id, config.video_token_id, config.audio_token_id) if i is not None]
-            if config.model_type == "gemma4"
+            if config.model_type in ("gemma4", "gemma4_unified")
             else []
         )
 
@@ -130,9 +130,9 @@ class Gemma4Model(nn.Module):
         flat_ids = np.array(input_ids).reshape(-1)
         flat = embeds.reshape(-1, embeds.shape[-1])
         media = [
-            ("image", self.config.image_token_id, pixel_values, lambda: encode_images(self.vision_tower, self.embed_vision, pixel_values, image_position_ids), self.has_vision),
-            ("video", self.config.video_token_id, pixel_values_videos, lambda: encode_images(self.vision_tower, self.embed_vision, pixel_values_videos, video_position_ids), self.has_vision),
-            ("audio", self.config.audio_token_id, input_features, lambda: encode_audio(self.audio_tower, self.embed_audio, input_features, input_features_mask), self.has_audio),
+            ("image", self.config.image_token_id, pixel_values, lambda: self.encode_images(pixel_values, image_position_ids), self.has_vision),
+            ("video", self.config.video_token_id, pixel_values_videos, lambda: self.encode_images(pixel_values_videos, video_position_ids), self.has_vision),
+            ("audio", self.config.audio_token_id, input_features, lambda: self.encode_audio(input_features, input_features_mask), self.has_audio),
         ]
         for kind, token_id, given, encode, supported in media:
             slots = np.flatnonzero(flat_ids == token_id) if token_id is not None else np.zeros(0, int)
@@ -150,6 +150,14 @@ class Gemma4Model(nn.Module):
                 )
             flat[mx.array(slots, dtype=mx.int32)] = features.astype(flat.dtype)
         return flat.reshape(embeds.shape)
+
+    def encode_images(self, pixel_values, position_ids) -> mx.array:
+        """Soft tokens of images or video frames, in order, padding dropped: [N, text hidden]."""
+        return encode_images(self.vision_tower, self.embed_vision, pixel_values, position_ids)
+
+    def encode_audio(self, input_features, input_features_mask) -> mx.array:
+        """Soft tokens of audio clips, in order, padding dropped: [N, text hidden]."""
+        return encode_audio(self.audio_tower, self.embed_audio, input_features, input_features_mask)
 
     def vision_block_ids(self, input_ids) -> np.ndarray | None:
         """For ``use_bidirectional_attention == "vision"``: an id per contiguous run of image/video

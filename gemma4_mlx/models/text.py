@@ -328,6 +328,9 @@ class TextModel(nn.Module):
             self.per_layer_model_projection = nn.Linear(cfg.hidden_size, n * d, bias=False)
             self.per_layer_projection_norm = nn.RMSNorm(d, eps=cfg.rms_norm_eps)
         self._first_of_type = {t: next(s.index for s in cfg.layers if s.layer_type == t) for t in set(cfg.layer_types)}
+        # Where image blocks are bidirectional (see make_masks): Gemma 4's 26B/31B only in sliding
+        # layers, inside the window; the 12B unified model in every layer, past the window too.
+        self.blocks_in_every_layer = False
 
     def embed(self, input_ids: mx.array) -> mx.array:
         """Token embeddings times sqrt(hidden) (the scale is cast to the weight dtype, as in HF)."""
@@ -406,24 +409,28 @@ class TextModel(nn.Module):
         """Masks per layer type for the chunk ``h`` [B, L, hidden] (mlx-lm's causal masks; sliding
         layers also mask keys older than the window).
 
-        ``vision_blocks`` ([B, L] ids of image blocks, -1 for text) makes each block bidirectional in
-        sliding layers: (causal OR same block) AND inside the window. Blocks must not straddle chunks.
+        ``vision_blocks`` ([B, L] ids of image blocks, -1 for text) makes each block bidirectional:
+        Gemma 4's rule (transformers' ``create_masks_for_vision_model``) in sliding layers only,
+        ``(causal OR same block) AND inside the window``; with ``blocks_in_every_layer`` (the 12B,
+        transformers' ``create_masks_for_generate``) in every layer, ``(causal AND inside the window)
+        OR same block``. Blocks must not straddle chunks.
         """
         L = h.shape[1]
         masks = {}
         for layer_type, first in self._first_of_type.items():
             window = self.config.sliding_window if layer_type == SLIDING else None
             c = cache[first] if cache is not None else None
-            if window is not None and vision_blocks is not None and L > 1:
-                # Keys: what the rotating cache keeps from before this chunk (window - 1), then the chunk.
-                # (No mlx-lm helper has the block rule: built here.)
-                past = min(window - 1, offset) if c is not None else 0
+            if vision_blocks is not None and L > 1 and (window is not None or self.blocks_in_every_layer):
+                # Keys: what the cache holds from before this chunk (a rotating cache: window - 1),
+                # then the chunk. (No mlx-lm helper has the block rule: built here.)
+                past = (min(window - 1, offset) if window else offset) if c is not None else 0
                 q = mx.arange(offset, offset + L)[:, None]
                 k = mx.arange(offset - past, offset + L)[None]
                 blocks = mx.array(vision_blocks)
                 kb = mx.concatenate([mx.full((blocks.shape[0], past), -1, blocks.dtype), blocks], axis=1)
                 same = (blocks[:, :, None] == kb[:, None, :]) & (blocks[:, :, None] >= 0)
-                masks[layer_type] = (((q >= k) | same) & (k > q - window))[:, None]
+                seen = (q >= k) & (k > q - window) if window else q >= k
+                masks[layer_type] = (seen | same if self.blocks_in_every_layer else ((q >= k) | same) & (k > q - window))[:, None]
             else:
                 masks[layer_type] = create_attention_mask(h, c, window_size=window)
         return masks
