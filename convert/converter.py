@@ -27,6 +27,7 @@ from gemma4_mlx.config import read_json
 from gemma4_mlx.loading import load_config, load_model, resolve_model_path
 from gemma4_mlx.loading.assistant import load_drafter
 from gemma4_mlx.loading.quantization import MODES, RECIPES, QuantizationPlan, quantize_model
+from gemma4_mlx.models.assistant import ASSISTANT_MODEL_TYPES
 
 DTYPES = ("bfloat16", "float16", "float32")
 # Everything a checkpoint folder needs besides its weights and config.json.
@@ -187,7 +188,7 @@ def _model_card(source: str, config: dict, plan: QuantizationPlan | None, dtype:
 def is_assistant(src: Path) -> bool:
     """Whether ``src`` holds a Gemma 4 assistant (drafter) rather than a Gemma 4 model."""
     raw = read_json(src / "config.json", what="a model config", missing=f"no config.json in {src}: is this a model folder?")
-    return isinstance(raw, dict) and raw.get("model_type") == "gemma4_assistant"
+    return isinstance(raw, dict) and raw.get("model_type") in ASSISTANT_MODEL_TYPES
 
 
 def cast_and_quantize(

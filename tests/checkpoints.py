@@ -231,28 +231,33 @@ def dequantized_reference(path, src):
 
 def allow_hf_assistants() -> None:
     """transformers 5.23 cannot build a Gemma 4 assistant: ``Gemma4TextConfig.kv_sharing_modes``
-    raises when every layer is KV-shared (no layer produces K/V), which is exactly the assistant's
-    layout. Here such a config says "reuse" for every layer, what the assistant's code expects."""
+    (and the unified model's copy of it) raises when every layer is KV-shared (no layer produces
+    K/V), which is exactly the assistant's layout. Here such a config says "reuse" for every layer,
+    what the assistant's code expects."""
     from transformers.models.gemma4.configuration_gemma4 import Gemma4TextConfig
+    from transformers.models.gemma4_unified.configuration_gemma4_unified import Gemma4UnifiedTextConfig
 
-    original = Gemma4TextConfig.kv_sharing_modes
-    if getattr(original.fget, "allows_assistants", False):
-        return
+    for config_class in (Gemma4TextConfig, Gemma4UnifiedTextConfig):
+        original = config_class.kv_sharing_modes
+        if getattr(original.fget, "allows_assistants", False):
+            continue
 
-    def kv_sharing_modes(self):
-        if self.num_kv_shared_layers == self.num_hidden_layers:
-            return ["reuse"] * self.num_hidden_layers
-        return original.fget(self)
+        def kv_sharing_modes(self, original=original):
+            if self.num_kv_shared_layers == self.num_hidden_layers:
+                return ["reuse"] * self.num_hidden_layers
+            return original.fget(self)
 
-    kv_sharing_modes.allows_assistants = True
-    Gemma4TextConfig.kv_sharing_modes = property(kv_sharing_modes)
+        kv_sharing_modes.allows_assistants = True
+        config_class.kv_sharing_modes = property(kv_sharing_modes)
 
 
 def build_hf_assistant(family: str, ordered: bool = False, seed: int = 0, **overrides):
-    """A random fp32 ``Gemma4AssistantForCausalLM`` for a target of ``family``: 4 layers (3 sliding,
+    """A random fp32 ``Gemma4AssistantForCausalLM`` (``Gemma4UnifiedAssistantForCausalLM`` for the
+    unified family) for a target of ``family``: 4 layers (3 sliding,
     1 full) whose heads read the family's K/V, a narrower width, and with ``ordered`` the
     centroid-sparse head (8 centroids of 128 tokens, top 2, a random token ordering)."""
-    from transformers import Gemma4AssistantConfig, Gemma4AssistantForCausalLM
+    from transformers import (Gemma4AssistantConfig, Gemma4AssistantForCausalLM, Gemma4UnifiedAssistantConfig,
+                              Gemma4UnifiedAssistantForCausalLM)  # fmt: skip
 
     allow_hf_assistants()
     torch.manual_seed(seed)
@@ -265,9 +270,14 @@ def build_hf_assistant(family: str, ordered: bool = False, seed: int = 0, **over
     for k in ("num_experts", "top_k_experts", "moe_intermediate_size"):
         tc.pop(k, None)
     tc.update(overrides)
-    config = Gemma4AssistantConfig(text_config=tc, backbone_hidden_size=target["hidden_size"], use_ordered_embeddings=ordered,
-                                   num_centroids=8, centroid_intermediate_top_k=2)  # fmt: skip
-    model = Gemma4AssistantForCausalLM(config)
+    unified = family == "unified"  # the 12B's drafter: gemma4_unified_assistant, a unified text config
+    if unified:
+        for k in ("hidden_size_per_layer_input", "vocab_size_per_layer_input", "enable_moe_block"):
+            tc.pop(k)
+    config_class, model_class = (Gemma4UnifiedAssistantConfig, Gemma4UnifiedAssistantForCausalLM) if unified else (Gemma4AssistantConfig, Gemma4AssistantForCausalLM)
+    config = config_class(text_config=tc, backbone_hidden_size=target["hidden_size"], use_ordered_embeddings=ordered,
+                          num_centroids=8, centroid_intermediate_top_k=2)  # fmt: skip
+    model = model_class(config)
     g = torch.Generator().manual_seed(seed + 1)
     with torch.no_grad():
         for name, p in model.named_parameters():

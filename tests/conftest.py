@@ -4,7 +4,7 @@ from pathlib import Path
 import pytest
 
 import torchvision_guard  # first: before anything imports transformers' vision code
-from checkpoints import FAMILIES, build_hf_model, save_checkpoint
+from checkpoints import FAMILIES, build_hf_model, build_hf_unified, save_checkpoint
 
 if torchvision_guard.declared():  # the CLIs the tests launch import transformers too: the same guard there
     startup = str(Path(__file__).parent / "startup")
@@ -23,12 +23,14 @@ class Family:
         self.model, self.processor = gemma4_mlx.load(path)
 
 
-@pytest.fixture(scope="session", params=sorted(FAMILIES))
+@pytest.fixture(scope="session", params=sorted(FAMILIES) + ["unified"])
 def family(request, tmp_path_factory):
+    """Every shape family: e2b, moe26b, dense31b (Gemma4ForConditionalGeneration, text only) and
+    the 12B's unified model (Gemma4UnifiedForConditionalGeneration with its embedders)."""
     name = request.param
-    hf = build_hf_model(name)
-    # The 31B-like family is saved in the published config form, the others in transformers' form.
-    form = "published" if name == "dense31b" else "transformers"
+    hf = build_hf_unified() if name == "unified" else build_hf_model(name)
+    # The 31B-like and 12B families are saved in the published config form, the others in transformers'.
+    form = "published" if name in ("dense31b", "unified") else "transformers"
     path = save_checkpoint(hf, tmp_path_factory.mktemp(name), form=form)
     return Family(name, hf, path)
 

@@ -30,7 +30,7 @@ def e2b_drafter(tmp_path_factory):
     return _drafter(True, tmp_path_factory.mktemp("drafter"))
 
 
-@pytest.mark.parametrize("family_name", ["e2b", "moe26b", "dense31b"])
+@pytest.mark.parametrize("family_name", ["e2b", "moe26b", "dense31b", "unified"])
 @pytest.mark.parametrize("ordered", [False, True])
 def test_drafter_matches_transformers(family_name, ordered, tmp_path):
     """Logits and projected hidden state, given the same target K/V (both LM-head kinds, the K/V

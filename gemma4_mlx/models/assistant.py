@@ -20,11 +20,13 @@ import mlx.core as mx
 import mlx.nn as nn
 
 from .. import ops
-from ..config import FULL, SLIDING, TextConfig, UnsupportedModelError, split_known_keys
+from ..config import FULL, SLIDING, TextConfig, UnsupportedModelError, split_known_keys, unified_text_config
 from ..errors import ConfigError, DrafterMismatchError
 from .text import DecoderLayer, materialize
 
 TARGET = -1  # kv_source of a drafter layer: the target model's K/V
+# transformers' Gemma4UnifiedAssistantForCausalLM (the 12B's drafter) is Gemma4AssistantForCausalLM unchanged.
+ASSISTANT_MODEL_TYPES = ("gemma4_assistant", "gemma4_unified_assistant")
 
 
 @dataclass
@@ -43,11 +45,14 @@ class AssistantConfig:
 
     @classmethod
     def from_dict(cls, raw: dict[str, Any]) -> "AssistantConfig":
-        if raw.get("model_type") != "gemma4_assistant":
-            raise UnsupportedModelError(f"not a Gemma 4 assistant checkpoint (model_type {raw.get('model_type')!r})")
+        model_type = raw.get("model_type")
+        if model_type not in ASSISTANT_MODEL_TYPES:
+            raise UnsupportedModelError(f"not a Gemma 4 assistant checkpoint (model_type {model_type!r})")
         if not isinstance(raw.get("text_config"), dict):
-            raise ConfigError("a gemma4_assistant config.json needs a text_config")
+            raise ConfigError(f"a {model_type} config.json needs a text_config")
         text = dict(raw["text_config"])
+        if model_type == "gemma4_unified_assistant":  # the 12B's drafter: the same model, unified text defaults
+            text = unified_text_config({k: v for k, v in text.items() if k != "model_type"})
         # Every drafter layer reads the target's K/V; resolved here as layers of their own (see
         # layer_specs), so the text config is read as if none were shared.
         text["num_kv_shared_layers"] = 0
