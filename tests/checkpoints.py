@@ -83,14 +83,17 @@ FAMILIES = {
 }
 
 
-# The 12B unified model's shape family: a dense decoder without PLE, image blocks attended
-# bidirectionally; tiny encoder-free embedders (6912 raw values per 48 px patch, 640 per audio frame).
+# The 12B unified model's shape family: a dense decoder without PLE, K=V full layers with one
+# K/V head (the 12B's), image blocks attended bidirectionally; tiny encoder-free embedders (6912 raw
+# values per 48 px patch, 640 per audio frame).
 UNIFIED = dict(
     hidden_size=64,
     intermediate_size=128,
     num_hidden_layers=6,
     num_attention_heads=4,
     num_key_value_heads=2,
+    num_global_key_value_heads=1,
+    attention_k_eq_v=True,
     head_dim=32,
     global_head_dim=64,
     layer_types=[S, S, F] * 2,

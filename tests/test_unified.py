@@ -8,7 +8,7 @@ import mlx.core as mx
 import numpy as np
 import pytest
 import torch
-from checkpoints import UNIFIED, build_hf_assistant, build_hf_unified, save_checkpoint
+from checkpoints import build_hf_assistant, build_hf_unified, save_checkpoint, to_published_form
 from helpers import rel_err
 from mlx_lm.sample_utils import make_sampler
 
@@ -136,9 +136,12 @@ def test_published_and_transformers_config_forms_agree(unified, tmp_path):
     config = ModelConfig.from_dict(raw)
     assert config.is_unified and not config.text_config.has_per_layer_inputs
     assert config.text_config.use_bidirectional_attention == "vision"
-    published = dict(raw, text_config={k: v for k, v in raw["text_config"].items() if k != "per_layer_config"})
-    published["text_config"]["global_head_dim"] = UNIFIED["global_head_dim"]
-    assert [s.head_dim for s in ModelConfig.from_dict(published).text_config.layers] == [s.head_dim for s in config.text_config.layers]
+    (tmp_path / "config.json").write_text(json.dumps(raw))
+    to_published_form(tmp_path / "config.json")
+    published = ModelConfig.from_file(tmp_path / "config.json")
+    assert "per_layer_config" not in json.loads((tmp_path / "config.json").read_text())["text_config"]
+    assert published.text_config.layers == config.text_config.layers
+    assert [(s.head_dim, s.num_kv_heads, s.k_eq_v) for s in config.text_config.layers if not s.is_sliding] == [(64, 1, True)] * 2
 
 
 def test_unified_configs_refuse_per_layer_embeddings_and_moe(unified):
