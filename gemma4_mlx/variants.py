@@ -26,6 +26,12 @@ VARIANTS = {
         num_kv_shared_layers=18, hidden_size_per_layer_input=256, use_double_wide_mlp=True, sliding_window=512,
         max_position_embeddings=131_072,
     ),
+    # The 12B unified model's decoder: dense, no PLE, K=V full layers with a single K/V head.
+    "12b": dict(
+        hidden_size=3840, intermediate_size=15360, num_hidden_layers=48, layer_types=([S] * 5 + [F]) * 8,
+        num_attention_heads=16, num_key_value_heads=8, num_global_key_value_heads=1, head_dim=256, global_head_dim=512,
+        attention_k_eq_v=True, hidden_size_per_layer_input=0, sliding_window=1024, max_position_embeddings=262_144,
+    ),
     "26b-a4b": dict(
         hidden_size=2816, intermediate_size=2112, num_hidden_layers=30, layer_types=([S] * 5 + [F]) * 5,
         num_attention_heads=16, num_key_value_heads=8, num_global_key_value_heads=2, head_dim=256, global_head_dim=512,
@@ -73,10 +79,17 @@ LARGE_VIT = dict(hidden_size=1152, intermediate_size=4304, num_hidden_layers=27,
                  num_key_value_heads=16, head_dim=72, standardize=True)  # fmt: skip
 AUDIO = dict(hidden_size=1024, num_hidden_layers=12, num_attention_heads=8, subsampling_conv_channels=[128, 32],
              output_proj_dims=1536, use_clipped_linears=True)  # fmt: skip
+# The 12B's encoder-free embedders: 48 px patches (16 px merged 3x3) into 3840 dims with a
+# 1120-row position table per axis; raw 640-sample (40 ms) audio frames.
+UNIFIED_VISION = dict(patch_size=16, pooling_kernel_size=3, mm_embed_dim=3840, mm_posemb_size=1120, output_proj_dims=3840)
+UNIFIED_AUDIO = dict(audio_embed_dim=640)
 
 
 def published_config(name: str) -> dict:
-    """The whole ``config.json`` of a variant (``e2b``, ``e4b``, ``26b-a4b``, ``31b``), towers included."""
+    """The whole ``config.json`` of a variant (``e2b``, ``e4b``, ``12b``, ``26b-a4b``, ``31b``), towers included."""
+    if name == "12b":
+        text = {k: v for k, v in variant_config(name).items() if k not in ("vocab_size_per_layer_input", "enable_moe_block")}
+        return {"model_type": "gemma4_unified", "text_config": text, "vision_config": dict(UNIFIED_VISION), "audio_config": dict(UNIFIED_AUDIO)}
     small = name in ("e2b", "e4b")
     return {
         "model_type": "gemma4",

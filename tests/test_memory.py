@@ -39,6 +39,19 @@ def test_weights_bytes_from_headers_match_the_loaded_model(e2b):
     assert memory.weights_bytes(e2b.path, config) == loaded
 
 
+@pytest.mark.parametrize("variant", ["e4b", "12b", "31b"])
+def test_weights_of_a_bare_quantized_config_are_what_the_converter_writes(variant, tmp_path):
+    """From a config alone, the weights of a 4-bit model count as ``python -m convert`` writes them
+    (bf16 scales, towers in bf16), less the E2B/E4B per-layer table that stays on disk."""
+    from convert.sizes import converted_bytes
+    from gemma4_mlx.variants import published_config
+
+    config = published_config(variant)
+    written = converted_bytes(config, quantize=True, q_bits=4)
+    (tmp_path / "config.json").write_text(json.dumps({**config, "quantization": {"group_size": 64, "bits": 4, "mode": "affine"}}))
+    assert memory.estimate(tmp_path / "config.json", 4096).weights == written["total"] - written["ple"]
+
+
 def test_memory_command_on_a_bare_config(tmp_path):
     """No weights needed: the published 31B config at 256K, as the issue computes it (80 KiB per
     token in its 10 full layers: 21.5 GB, plus the sliding windows), halved by storing the K=V

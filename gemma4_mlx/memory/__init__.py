@@ -158,18 +158,18 @@ def _described_weights_bytes(config: ModelConfig) -> int:
     import mlx.nn as nn
     from mlx.utils import tree_flatten
 
+    import mlx.core as mx
+
     from ..loading.quantization import TOWERS
     from ..models import build_model
 
     model = build_model(config)
+    model.set_dtype(mx.bfloat16)  # before quantizing, as the converter does: bf16 scales and biases too
     q = config.quantization
     if q:
+        overrides = {k: v for k, v in q.items() if isinstance(v, dict)}  # per-module bits, as the file says
         nn.quantize(model, group_size=q.get("group_size", 64), bits=q.get("bits", 4), mode=q.get("mode", "affine"),
-                    class_predicate=lambda p, m: hasattr(m, "to_quantized") and not p.startswith(TOWERS))  # fmt: skip
-    else:
-        import mlx.core as mx
-
-        model.set_dtype(mx.bfloat16)
+                    class_predicate=lambda p, m: hasattr(m, "to_quantized") and not p.startswith(TOWERS) and overrides.get(p, True))  # fmt: skip
     return sum(v.nbytes for k, v in tree_flatten(model.parameters()) if "embed_tokens_per_layer" not in k)
 
 
