@@ -27,7 +27,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--prompt", required=True, help="the user message ('-' reads standard input)")
     p.add_argument("--system", default=None, help="system prompt")
     p.add_argument("--image", action="append", default=[], help="an image file (repeatable)")
-    p.add_argument("--audio", action="append", default=[], help="an audio file (repeatable; E2B/E4B)")
+    p.add_argument("--audio", action="append", default=[], help="an audio file (repeatable; E2B, E4B and 12B)")
     p.add_argument("--video", action="append", default=[], help="a video file (repeatable)")
     p.add_argument("--image-tokens", type=int, default=None, help="image token budget: 70, 140, 280 (default), 560, 1120")
     p.add_argument("--raw", action="store_true", help="send the prompt as is, without the chat template")

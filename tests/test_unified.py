@@ -201,3 +201,30 @@ def test_unified_drafter_matches_transformers_and_keeps_greedy_tokens(unified, o
     stats = SpeculativeStats()
     spec = [t for t, _ in speculative_tokens(model, drafter, prompt, model.make_cache(1), 30, make_sampler(0.0), num_draft_tokens=3, stats=stats)]
     assert spec == plain and stats.drafted > 0
+
+
+@pytest.mark.parametrize("opts", [dict(quantize=True, q_bits=4, q_group_size=32), dict(quantize=True, q_bits=4, q_group_size=32, quantize_towers=True)],
+                         ids=["4bit", "4bit-embedders-too"])  # fmt: skip
+def test_converted_4bit_folder_loads_matches_and_drafts(unified, opts, tmp_path):
+    """python -m convert on the 12B: the embedders stay float unless asked; the folder holds what
+    convert.sizes computes, loads as the unified model, gives the dequantized weights' logits with
+    media, and greedy decoding with a converted drafter equals plain decoding."""
+    from checkpoints import dequantized_reference
+    from convert import convert
+    from convert.sizes import converted_bytes
+
+    out = convert(str(unified.path), tmp_path / "q4", dtype="float32", progress=lambda _: None, **opts)
+    written = sum(v.nbytes for f in out.glob("*.safetensors") for v in mx.load(str(f)).values())
+    assert written == converted_bytes(json.loads((unified.path / "config.json").read_text()), dtype="float32", **opts)["total"]
+    model, processor = gemma4_mlx.load(out)
+    assert type(model).__name__ == "Gemma4UnifiedModel" and model.layers[0].self_attn.o_proj.bits == 4
+    assert ("scales" in model.vision_embedder.patch_dense) == bool(opts.get("quantize_towers"))
+    ids, media = multimodal_prompt()
+    assert rel_err(model(mx.array(ids), **media), np.array(dequantized_reference(out, unified.path)(mx.array(ids), **media))) < 1e-4
+
+    hf = build_hf_assistant("unified", ordered=True, hidden_size=64)  # widths a multiple of the group size
+    hf.save_pretrained(tmp_path / "drafter_src")
+    drafter = load_drafter(convert(str(tmp_path / "drafter_src"), tmp_path / "drafter", quantize=True, q_group_size=32, progress=lambda _: None))
+    messages = [{"role": "user", "content": "Hello there"}]
+    plain = gemma4_mlx.generate(model, processor, messages, max_tokens=16)
+    assert plain and gemma4_mlx.generate(model, processor, messages, max_tokens=16, draft_model=drafter) == plain

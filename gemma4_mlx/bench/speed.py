@@ -31,7 +31,7 @@ from ..variants import VARIANTS, variant_config
 
 # Layers per variant on a CPU: E2B/E4B need two periods to keep KV sharing; 26B/31B layers are
 # large (a 26B layer holds 761M expert weights), so one sliding and one full layer.
-CPU_LAYERS = {"e2b": 10, "e4b": 12, "26b-a4b": 2, "31b": 2}
+CPU_LAYERS = {"e2b": 10, "e4b": 12, "12b": 2, "26b-a4b": 2, "31b": 2}
 
 
 def build_pair(name: str, layers: int | None, bits: int | None, dtype=mx.bfloat16, vocab_size: int = 262_144, edit=None, merge: bool = True):
