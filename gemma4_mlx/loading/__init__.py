@@ -2,8 +2,9 @@
 
 ``load(path_or_repo_id)`` returns ``(model, processor)``. It accepts
 
-* an original Hugging Face checkpoint folder (``Gemma4ForConditionalGeneration`` or the text-only
-  ``Gemma4ForCausalLM``), single-file or sharded with ``model.safetensors.index.json``;
+* an original Hugging Face checkpoint folder (``Gemma4ForConditionalGeneration``, the text-only
+  ``Gemma4ForCausalLM``, or the 12B's ``Gemma4UnifiedForConditionalGeneration``), single-file or
+  sharded with ``model.safetensors.index.json``;
 * a folder written by ``python -m convert`` (optionally quantized: ``config.json`` has a
   ``quantization`` section), or by mlx-vlm's or mlx-lm's converters;
 * a Hub repo id, downloaded with ``huggingface_hub.snapshot_download``.

@@ -76,7 +76,7 @@ class Gemma4Model(nn.Module):
         """A fresh KV cache for incremental decoding (see :mod:`gemma4_mlx.models.cache`);
         ``sliding_slack`` more tokens in the sliding layers' ring buffers (speculative decoding);
         ``kv_bits`` (8 or 4) stores keys and values quantized, in groups of ``kv_group_size``.
-        ``single_kv_storage``: the K=V layers (26B/31B full attention) store their values alone and
+        ``single_kv_storage``: the K=V layers (12B/26B/31B full attention) store their values alone and
         make their keys from them when read (half those layers' bytes; False stores both)."""
         derive = {l.spec.index: l.self_attn.keys_from_values for l in self.layers if l.spec.k_eq_v and not l.spec.is_kv_shared} if single_kv_storage else None
         return make_cache(self.text_config, sliding_slack, kv_bits, kv_group_size, derive)
