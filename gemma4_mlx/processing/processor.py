@@ -65,9 +65,15 @@ class Processor:
         tokenizer = load_tokenizer(model_path)
         if tokenizer.chat_template is None:
             # Prefer the checkpoint's own template; fall back to the published one of this kind of model.
+            # The 12B (no per-layer inputs) gets the 26B/31B one: google/gemma-4-12B-it ships the same
+            # template, with the empty thought channel after the generation prompt when thinking is off.
             tokenizer._tokenizer.chat_template = published_chat_template(small=config.text_config.has_per_layer_inputs)
         image_processor = audio_extractor = video_processor = None
-        if config.vision_config:
+        if config.is_unified:  # the 12B, encoder-free: merged 48 px patches and raw audio frames
+            from .unified import unified_processors
+
+            image_processor, audio_extractor, video_processor = unified_processors(model_path, config)
+        elif config.vision_config:
             from .image import ImageProcessor
             from .video import VideoProcessor
             from ..models.vision import VisionConfig
@@ -75,7 +81,7 @@ class Processor:
             image_processor = ImageProcessor.from_pretrained(model_path)
             image_processor.position_table_size = VisionConfig.from_dict(config.vision_config).position_embedding_size
             video_processor = VideoProcessor.from_pretrained(model_path)
-        if config.audio_config:
+        if config.audio_config and not config.is_unified:
             from .audio import AudioFeatureExtractor
 
             audio_extractor = AudioFeatureExtractor.from_pretrained(model_path)
