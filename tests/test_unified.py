@@ -2,6 +2,7 @@
 checkpoints): media embedders, multimodal logits, cached decoding after a multimodal prompt, its
 drafter, and configs. Text-only parity runs in the ``family`` tests (the ``unified`` family)."""
 
+import copy
 import json
 
 import mlx.core as mx
@@ -95,6 +96,29 @@ def test_embedders_match_transformers(unified):
         ref_audio = unified.hf.model.get_audio_features(torch.from_numpy(frames), torch.from_numpy(mask), return_dict=True).pooler_output
     assert rel_err(unified.model.encode_images(pv, pos), ref_img.numpy()) < 1e-5
     assert rel_err(unified.model.encode_audio(frames, mask), ref_audio[torch.from_numpy(mask)].numpy()) < 1e-5
+
+
+def test_flat_and_near_flat_patches_match_transformers(unified):
+    """Patches of a white page, a grey, a sky and 8-bit levels: LayerNorm over 6912 near-equal values
+    with eps 1e-5 magnifies any error in their mean (without centring first, MLX was 4e-3 off here)."""
+    rng = np.random.default_rng(6)
+    n = 6
+    pv = np.zeros((1, 8, 6912), np.float32)
+    pv[0, 0] = 1.0  # white
+    pv[0, 1] = 2 * 0.3137255 - 1  # one grey level, normalized as the processor does
+    pv[0, 2] = 0.5 + rng.normal(0, 1e-3, 6912)  # a sky with sensor noise
+    pv[0, 3] = np.round((0.4 + rng.normal(0, 0.002, 6912)) * 255) / 255 * 2 - 1  # 8-bit levels around one value
+    pv[0, 4] = np.linspace(-0.2, 0.6, 6912) + rng.normal(0, 0.01, 6912)  # a gradient
+    pv[0, 5] = rng.random(6912)
+    pos = np.full((1, 8, 2), -1, np.int64)
+    pos[0, :n] = np.stack([np.arange(n) % 3, np.arange(n) // 3], -1)
+    # Against transformers in float64: its float32 run is itself 2e-5 off on the sky patch.
+    hf64 = copy.deepcopy(unified.hf.model).double()
+    with torch.no_grad():
+        ref = hf64.get_image_features(torch.from_numpy(pv).double(), torch.from_numpy(pos), return_dict=True).pooler_output[0]
+    ours = np.array(unified.model.encode_images(pv, pos))
+    for i in range(n):
+        assert rel_err(ours[i], ref[i].numpy()) < 1e-5, i
 
 
 def test_multimodal_logits_match_transformers(unified):
@@ -228,3 +252,25 @@ def test_converted_4bit_folder_loads_matches_and_drafts(unified, opts, tmp_path)
     messages = [{"role": "user", "content": "Hello there"}]
     plain = gemma4_mlx.generate(model, processor, messages, max_tokens=16)
     assert plain and gemma4_mlx.generate(model, processor, messages, max_tokens=16, draft_model=drafter) == plain
+
+
+def test_app_and_chat_take_the_12bs_images_audio_and_video(unified, tmp_path):
+    """The app's backend on a 12B folder: every kind of media is accepted, and a chat turn with an
+    image, a clip and a video replies (through the processor, the engine and prefix reuse)."""
+    from helpers import random_image, tone
+
+    from app.backend import ModelHolder, unsupported_media
+
+    holder = ModelHolder(str(unified.path), None, draft=False).start()
+    assert holder.ready.wait(120) and holder.engine is not None, holder.status
+    assert holder.capabilities == {"image": True, "audio": True, "video": True}
+    frames = np.stack([np.asarray(random_image(64, 48, i)) for i in range(3)])
+    messages = [{"role": "user", "content": [
+        {"type": "image", "image": random_image(96, 64, 0)}, {"type": "audio", "audio": tone(0.3)},
+        {"type": "video", "video": frames}, {"type": "text", "text": "What is this?"}]}]  # fmt: skip
+    assert unsupported_media([{"role": "user", "content": [{"type": "audio", "path": "a.wav"}]}], holder.capabilities) is None
+    chunk = None
+    for chunk in holder.engine.stream(messages, temperature=0.0, max_tokens=6):
+        pass
+    assert 0 < chunk.stats.generation_tokens <= 6 and chunk.stats.prompt_tokens > 3 * 20
+    holder.close()
