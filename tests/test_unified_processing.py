@@ -278,3 +278,26 @@ def test_processor_config_fallbacks(tmp_path):
     assert (audio.padding_value, audio.audio_seq_length) == (0.5, 750)
     assert audio([tone(0.1), tone(0.01)])["input_features"][1, 1:].min() == 0.5  # padding frames
     assert UnifiedVideoProcessor.from_pretrained(tmp_path / "none").max_soft_tokens == 70
+
+
+def test_chat_messages_match_transformers_chat_template(checkpoint):
+    """A conversation with an image, a clip and a video in the 12B's chat template (the published
+    one): transformers renders it and expands the placeholders; our messages give the same ids."""
+    from gemma4_mlx.processing.processor import published_chat_template
+
+    _, hf, _, p = checkpoint
+    image, clip, video = random_image(120, 90, 21), tone(0.3), frames(3, 40, 60, seed=5)
+    messages = [
+        {"role": "system", "content": "Be brief."},
+        {"role": "user", "content": [{"type": "image", "image": image}, {"type": "text", "text": "What is it?"}]},
+        {"role": "assistant", "content": "A picture."},
+        {"role": "user", "content": [{"type": "audio", "audio": clip}, {"type": "video", "video": video},
+                                     {"type": "text", "text": "And these?"}]},
+    ]  # fmt: skip
+    for thinking in (False, True):
+        text = hf.apply_chat_template(messages, chat_template=published_chat_template(), tokenize=False,
+                                      add_generation_prompt=True, enable_thinking=thinking)  # fmt: skip
+        ref = hf(text=[text], images=[[image]], audio=[clip], videos=[video], add_special_tokens=False, return_tensors="np")  # the text has its <bos>
+        ours = p.prepare(messages, enable_thinking=thinking)
+        np.testing.assert_array_equal(np.array(ours["input_ids"]), ref["input_ids"])
+        np.testing.assert_allclose(np.array(ours["pixel_values"]), ref["pixel_values"], rtol=0, atol=1e-6)
