@@ -23,16 +23,32 @@ class Family:
         self.model, self.processor = gemma4_mlx.load(path)
 
 
-@pytest.fixture(scope="session", params=sorted(FAMILIES) + ["unified"])
+_FAMILIES: dict[str, Family] = {}
+
+
+def _family(name: str, tmp_path_factory) -> Family:
+    """One checkpoint per family for the whole session, whichever fixture asks first."""
+    if name not in _FAMILIES:
+        hf = build_hf_unified() if name == "unified" else build_hf_model(name)
+        # The 31B-like and 12B families are saved in the published config form, the others in transformers'.
+        form = "published" if name in ("dense31b", "unified") else "transformers"
+        _FAMILIES[name] = Family(name, hf, save_checkpoint(hf, tmp_path_factory.mktemp(name), form=form))
+    return _FAMILIES[name]
+
+
+@pytest.fixture(scope="session", params=sorted(FAMILIES))
 def family(request, tmp_path_factory):
-    """Every shape family: e2b, moe26b, dense31b (Gemma4ForConditionalGeneration, text only) and
-    the 12B's unified model (Gemma4UnifiedForConditionalGeneration with its embedders)."""
-    name = request.param
-    hf = build_hf_unified() if name == "unified" else build_hf_model(name)
-    # The 31B-like and 12B families are saved in the published config form, the others in transformers'.
-    form = "published" if name in ("dense31b", "unified") else "transformers"
-    path = save_checkpoint(hf, tmp_path_factory.mktemp(name), form=form)
-    return Family(name, hf, path)
+    """Every Gemma 4 shape family: e2b, moe26b, dense31b (Gemma4ForConditionalGeneration, text only)."""
+    return _family(request.param, tmp_path_factory)
+
+
+@pytest.fixture(scope="session", params=sorted(FAMILIES) + ["unified"])
+def any_family(request, tmp_path_factory):
+    """The three families and the 12B's unified model (Gemma4UnifiedForConditionalGeneration with its
+    embedders), for the parity tests. The family-wide feature tests (caches, chat, drafting...) run
+    the three: as a text decoder the 12B is the 31B-like family with one K/V head in full layers,
+    which the parity tests cover."""
+    return _family(request.param, tmp_path_factory)
 
 
 @pytest.fixture(scope="session")
