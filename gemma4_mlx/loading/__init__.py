@@ -36,7 +36,8 @@ def load_config(model_path: Path) -> ModelConfig:
 
 
 def load_model(
-    model_path: str | Path, dtype: str | None = None, lazy: bool = False, lazy_ple: bool = True, merge_projections: bool = True
+    model_path: str | Path, dtype: str | None = None, lazy: bool = False, lazy_ple: bool = True, merge_projections: bool = True,
+    stage=None,
 ) -> Gemma4Model:
     """Build the model from a local checkpoint folder and load its weights.
 
@@ -47,6 +48,8 @@ def load_model(
     it into memory (4.7 GB for E2B in bf16) for slightly faster lookups. ``merge_projections``
     runs each layer's q/k/v and gate/up as one matmul (:meth:`Gemma4Model.merge_projections`);
     pass False to get the checkpoint's parameter names back (to save or modify weights).
+    ``stage`` (a :class:`~gemma4_mlx.distributed.pipeline.PipelineStage`) keeps only this process's
+    part of a pipeline, and reads only its weights.
     """
     model_path = Path(model_path).expanduser().absolute()
     if not model_path.is_dir():
@@ -58,7 +61,10 @@ def load_model(
         raise ConfigError(f"{model_path / 'config.json'}: {e}") from None
     files = weight_files(model_path)
     weights = _cast(sanitize(read_weights(files), config), dtype)
-    if lazy_ple:
+    if stage is not None:
+        model.use_pipeline(stage)
+        weights = {k: v for k, v in weights.items() if stage.keeps(k)}  # the rest is never read
+    if lazy_ple and "embed_tokens_per_layer" in model.language_model:
         _map_ple_table(model, config, files, weights, dtype, model_path)
     for tower in ("vision_tower", "audio_tower"):
         if tower in model:  # the towers' own name fix-ups, on names relative to the tower
@@ -125,7 +131,7 @@ def adapt_to_device(model: Gemma4Model) -> None:
         return
     changed = False
     for layer in model.layers:
-        if not layer.has_moe:
+        if layer is None or not layer.has_moe:
             continue
         glu = layer.experts.switch_glu
         for proj in (glu.gate_proj, glu.up_proj, glu.down_proj):

@@ -169,6 +169,56 @@ class ValueOnlyKVCache(_BaseCache):
         return 0 if self.buffers is None else sum(b.nbytes for b in self.buffers)
 
 
+class PassedLayerCache(_BaseCache):
+    """The cache of a layer another process runs (pipeline parallelism): it holds nothing and only
+    counts the tokens that went by, so that every process's cache list has the same offsets and
+    trims alike (generation reads and rewinds ``cache[0]`` whichever process it runs in).
+
+    One more of them ends the cache list of every process but the last: its ``state`` is what the
+    process last sent on, so that evaluating the caches (as a prefill does, without the logits)
+    also sends the residual stream to the process waiting for it."""
+
+    def __init__(self):
+        self.offset = 0
+        self.sent = None
+
+    def update_and_fetch(self, keys, values):
+        raise RuntimeError("this layer runs in another process of the pipeline; its cache holds nothing here")
+
+    def advance(self, n: int) -> None:
+        self.offset += n
+
+    @property
+    def keys(self):
+        return None
+
+    @property
+    def values(self):
+        return None
+
+    @property
+    def state(self):
+        return [] if self.sent is None else [self.sent]
+
+    def size(self):
+        return self.offset
+
+    def is_trimmable(self):
+        return True
+
+    def trim(self, n):
+        n = min(self.offset, n)
+        self.offset -= n
+        return n
+
+    def empty(self):
+        return True
+
+    @property
+    def nbytes(self):
+        return 0
+
+
 QUANTIZED_CACHES = (QuantizedKVCache, QuantizedRotatingKVCache)
 RING_CACHES = (RotatingKVCache, QuantizedRotatingKVCache)  # cannot be trimmed once wrapped
 

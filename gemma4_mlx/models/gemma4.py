@@ -15,7 +15,7 @@ from ..config import ModelConfig
 from ..errors import MediaError, TokenIdError
 from ..modalities import MODALITIES
 from .audio import AudioConfig, AudioTower, encode_audio
-from .cache import make_cache
+from .cache import PassedLayerCache, make_cache
 from .multimodal import MultimodalEmbedder
 from .text import TextModel, materialize, softcap
 from .vision import VisionConfig, VisionTower, encode_images
@@ -60,7 +60,22 @@ class Gemma4Model(nn.Module):
 
     @property
     def layers(self):
+        """The decoder layers (under pipeline parallelism, None for those another process runs)."""
         return self.language_model.layers
+
+    @property
+    def stage(self):
+        """This process's part of a pipeline (:mod:`gemma4_mlx.distributed.pipeline`), or None."""
+        return self.language_model.stage
+
+    def use_pipeline(self, stage) -> None:
+        """Keep only this process's part: its decoder layers, and on the first process the media
+        encoders (the others receive the residual stream). Call before loading weights."""
+        if not stage.is_first:
+            for name in ("vision_tower", "audio_tower", "embed_vision", "embed_audio", "vision_embedder"):
+                if name in self:
+                    delattr(self, name)
+        self.language_model.use_pipeline(stage)
 
     def merge_projections(self) -> None:
         """Projections that read the same input as one matmul each (q/k/v, gate/up; values
@@ -78,8 +93,15 @@ class Gemma4Model(nn.Module):
         ``kv_bits`` (8 or 4) stores keys and values quantized, in groups of ``kv_group_size``.
         ``single_kv_storage``: the K=V layers (12B/26B/31B full attention) store their values alone and
         make their keys from them when read (half those layers' bytes; False stores both)."""
-        derive = {l.spec.index: l.self_attn.keys_from_values for l in self.layers if l.spec.k_eq_v and not l.spec.is_kv_shared} if single_kv_storage else None
-        return make_cache(self.text_config, sliding_slack, kv_bits, kv_group_size, derive)
+        layers = [l for l in self.layers if l is not None]
+        derive = {l.spec.index: l.self_attn.keys_from_values for l in layers if l.spec.k_eq_v and not l.spec.is_kv_shared} if single_kv_storage else None
+        cache = make_cache(self.text_config, sliding_slack, kv_bits, kv_group_size, derive)
+        stage = self.stage
+        if stage is not None:  # the layers other processes run only count tokens here
+            cache = [c if stage.cached_here(i) else PassedLayerCache() for i, c in enumerate(cache)]
+            if not stage.is_last:
+                cache.append(PassedLayerCache())  # carries the send on (see PassedLayerCache)
+        return cache
 
     def media_mask(self, input_ids: mx.array) -> mx.array | None:
         """True at image/video/audio placeholder tokens (None for text-only checkpoints)."""
@@ -101,11 +123,12 @@ class Gemma4Model(nn.Module):
 
     @property
     def has_vision(self) -> bool:
-        return "vision_tower" in self
+        """Whether the model takes images and video (its config has a vision part)."""
+        return bool(self.config.vision_config)
 
     @property
     def has_audio(self) -> bool:
-        return "audio_tower" in self
+        return bool(self.config.audio_config)
 
     def embed_multimodal(
         self,
@@ -134,6 +157,9 @@ class Gemma4Model(nn.Module):
             ("video", self.config.video_token_id, pixel_values_videos, lambda: self.encode_images(pixel_values_videos, video_position_ids), self.has_vision),
             ("audio", self.config.audio_token_id, input_features, lambda: self.encode_audio(input_features, input_features_mask), self.has_audio),
         ]
+        # Under pipeline parallelism only the first process encodes media (the others' layers take
+        # the residual stream from it); all check the prompt alike.
+        encodes = self.stage is None or self.stage.is_first
         for kind, token_id, given, encode, supported in media:
             slots = np.flatnonzero(flat_ids == token_id) if token_id is not None else np.zeros(0, int)
             if given is None:
@@ -142,6 +168,8 @@ class Gemma4Model(nn.Module):
                 continue
             if not supported:
                 raise MediaError(MODALITIES[kind].unsupported())
+            if not encodes:
+                continue
             features = encode()
             if features.shape[0] != len(slots):
                 raise MediaError(

@@ -331,6 +331,29 @@ class TextModel(nn.Module):
         # Where image blocks are bidirectional (see make_masks): Gemma 4's 26B/31B only in sliding
         # layers, inside the window; the 12B unified model in every layer, past the window too.
         self.blocks_in_every_layer = False
+        # Pipeline parallelism (gemma4_mlx.distributed.pipeline): this process's part, or None.
+        self.stage = None
+
+    def use_pipeline(self, stage) -> None:
+        """Run only layers ``[stage.start, stage.end)`` (the others are dropped, their weights never
+        loaded); the stage passes the residual stream between processes (see
+        :mod:`gemma4_mlx.distributed.pipeline`). Call before loading weights."""
+        if self.config.has_per_layer_inputs and not stage.is_first:
+            for name in ("embed_tokens_per_layer", "per_layer_model_projection", "per_layer_projection_norm"):
+                if name in self:
+                    delattr(self, name)  # rank 0 makes the per-layer inputs
+        for i in range(len(self.layers)):
+            if not stage.owns(i):
+                self.layers[i] = None
+        types = {s.layer_type for s in self.config.layers if stage.owns(s.index)}
+        self._first_of_type = {t: stage.reference_layer(t) for t in types}
+        self.stage = stage  # a plain attribute (not an array, list or module): no parameters
+        self.__dict__.pop("_compiled_pieces", None)
+
+    def _span(self) -> tuple[int, int]:
+        """The layers this process runs."""
+        stage = self.stage
+        return (stage.start, stage.end) if stage is not None else (0, len(self.layers))
 
     def embed(self, input_ids: mx.array) -> mx.array:
         """Token embeddings times sqrt(hidden) (the scale is cast to the weight dtype, as in HF)."""
@@ -375,7 +398,8 @@ class TextModel(nn.Module):
         """Merge each layer's projections that share an input (q/k/v, gate/up) into one matmul, for
         a loaded model (the parameter names change: do it after loading weights, not before saving)."""
         for layer in self.layers:
-            layer.merge_projections()
+            if layer is not None:  # None: run by another process (pipeline)
+                layer.merge_projections()
         ops.invalidate_compiled()  # the compiled pieces trace the merged modules anew
 
     def _pieces(self, one_token: bool):
@@ -388,20 +412,21 @@ class TextModel(nn.Module):
         their shapes change every step. The compiled pieces take the layers' arrays as implicit
         inputs (so weights loaded or replaced later are seen) and are remade when the ops change."""
         layers = self.layers
+        start, end = self._span()
 
         def join(i):
             def run(h, attn, per_layer_input, position):
                 h = layers[i].finish(h, attn, per_layer_input)
-                return h, (layers[i + 1].attention_inputs(h, position) if i + 1 < len(layers) else (None, None, None))
+                return h, (layers[i + 1].attention_inputs(h, position) if i + 1 < end else (None, None, None))
 
             return run
 
         if not one_token:
-            return layers[0].attention_inputs, [join(i) for i in range(len(layers))]
+            return layers[start].attention_inputs, [join(i) for i in range(start, end)]
         pieces = self.__dict__.get("_compiled_pieces")
         if pieces is None:  # made once; each remakes its trace when the ops change (ops/compiled.py)
-            first = compiled(layers[0].attention_inputs, inputs=layers[0])
-            pieces = (first, [compiled(join(i), inputs=layers[i : i + 2]) for i in range(len(layers))])
+            first = compiled(layers[start].attention_inputs, inputs=layers[start])
+            pieces = (first, [compiled(join(i), inputs=layers[i : min(i + 2, end)]) for i in range(start, end)])
             object.__setattr__(self, "_compiled_pieces", pieces)  # not a module attribute: no parameters
         return pieces
 
@@ -443,16 +468,24 @@ class TextModel(nn.Module):
         per_layer_token_inputs: mx.array | None = None,
         vision_blocks=None,
     ) -> mx.array:
-        if inputs_embeds is None:
-            inputs_embeds = self.embed(input_ids)
-        h = inputs_embeds
-        per_layer = None
-        if self.config.has_per_layer_inputs:
-            if per_layer_token_inputs is None:
-                if input_ids is None:
-                    raise ValueError("a model with per-layer embeddings needs input_ids or per_layer_token_inputs")
-                per_layer_token_inputs = self.per_layer_token_inputs(input_ids)
-            per_layer = self.per_layer_inputs(h, per_layer_token_inputs)
+        stage = self.stage
+        received: dict = {}  # pipeline: new K/V of source layers run by an earlier process
+        per_layer_base = 0  # the layer index of per_layer[:, :, 0]
+        if stage is not None and not stage.is_first:
+            shape = (input_ids if input_ids is not None else inputs_embeds).shape
+            h, per_layer, received = stage.receive(shape[0], shape[1])
+            per_layer_base = stage.start
+        else:
+            if inputs_embeds is None:
+                inputs_embeds = self.embed(input_ids)
+            h = inputs_embeds
+            per_layer = None
+            if self.config.has_per_layer_inputs:
+                if per_layer_token_inputs is None:
+                    if input_ids is None:
+                        raise ValueError("a model with per-layer embeddings needs input_ids or per_layer_token_inputs")
+                    per_layer_token_inputs = self.per_layer_token_inputs(input_ids)
+                per_layer = self.per_layer_inputs(h, per_layer_token_inputs)
 
         offset = cache[0].offset if cache is not None else 0
         masks = self.make_masks(h, cache, offset, vision_blocks)
@@ -463,20 +496,32 @@ class TextModel(nn.Module):
         # the traces freed and the thread joined (tests/test_chat.py's leaving-early test).
         one = h.shape[1] == 1 and threading.current_thread() is threading.main_thread()
         position = mx.array(offset, dtype=mx.int32) if one else offset
+        start, end = self._span()
+        kvs: dict = {}
+        for source, (k, v) in received.items():
+            if stage.owns_consumer(source):  # this process mirrors the source layer's cache
+                kvs[source] = cache[source].update_and_fetch(k, v) if cache is not None else (k, v)
+        new_kv = dict(received)  # what the next process may need
         first, joins = self._pieces(one_token=one)
         q, k, v = first(h, position)
-        kvs: list = [None] * len(self.layers)
-        for i, layer in enumerate(self.layers):
-            spec = layer.spec
+        for i in range(start, end):
+            spec = self.layers[i].spec
             if spec.is_kv_shared:
                 # KV-shared layer: attend over the source layer's cached K/V (already normed and rotated).
                 k, v = kvs[spec.kv_source]
-            elif cache is not None:
-                k, v = cache[i].update_and_fetch(k, v)
+            else:
+                new_kv[i] = (k, v)
+                if cache is not None:
+                    k, v = cache[i].update_and_fetch(k, v)
             kvs[i] = (k, v)
             attn = ops.attention(q, k, v, scale=1.0, mask=masks[spec.layer_type])
-            h, (q, k, v) = joins[i](h, attn, per_layer[:, :, i, :] if per_layer is not None else None, position)
+            ple = per_layer[:, :, i - per_layer_base, :] if per_layer is not None else None
+            h, (q, k, v) = joins[i - start](h, attn, ple, position)
+        if stage is not None:
+            if not stage.is_last:
+                h = stage.send(h, per_layer, per_layer_base, new_kv, cache)
+            h = stage.from_last(h)
+            stage.advance_passed(cache, h.shape[1])
         return ops.rms_norm(h, self.norm.weight, self.config.rms_norm_eps)
-
 
 __all__ = ["materialize", "TextModel", "DecoderLayer", "Attention", "MLP", "Router", "Experts", "make_rope", "softcap", "FULL", "SLIDING"]

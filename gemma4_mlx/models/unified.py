@@ -137,14 +137,6 @@ class Gemma4UnifiedModel(Gemma4Model):
             ac = UnifiedAudioConfig.from_dict(config.audio_config)
             self.embed_audio = MultimodalEmbedder(ac.audio_embed_dim, hidden, ac.rms_norm_eps)
 
-    @property
-    def has_vision(self) -> bool:
-        return "embed_vision" in self
-
-    @property
-    def has_audio(self) -> bool:
-        return "embed_audio" in self
-
     def encode_images(self, pixel_values, position_ids) -> mx.array:
         """Soft tokens of images or video frames, in order, padding dropped: [N, text hidden]."""
         patches, positions = real_patches(pixel_values, position_ids, self.vision_config.mm_posemb_size)

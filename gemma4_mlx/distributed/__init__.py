@@ -1,0 +1,81 @@
+"""Gemma 4 across several machines with MLX's distributed layer (``mx.distributed``, started by
+``mlx.launch``: the ring backend over TCP, JACCL over Thunderbolt RDMA).
+
+``load_sharded(path, group)`` gives each process its part of the model; every process then runs the
+same generation code. :mod:`.pipeline` splits the decoder's layers across the processes.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import mlx.core as mx
+
+from ..config import ModelConfig
+from ..errors import OptionError
+from .pipeline import PipelineStage, parse_split, split_layers
+
+PARALLEL_MODES = ("pipeline",)
+
+
+def world() -> mx.distributed.Group | None:
+    """The group this process was launched in (``mlx.launch``), or None when it runs alone."""
+    if not mx.distributed.is_available():
+        return None
+    group = mx.distributed.init()
+    return group if group.size() > 1 else None
+
+
+def machine_memory() -> int:
+    """What this machine offers the model, in bytes (see :func:`gemma4_mlx.memory.device_memory`)."""
+    from ..memory import device_memory
+
+    return device_memory()
+
+
+def plan_pipeline(config: ModelConfig, group: mx.distributed.Group, split: str | list[int] | None = None) -> PipelineStage:
+    """This process's :class:`PipelineStage`: layers per rank as ``split`` gives them (``"20,15"`` or a
+    list), else in proportion to each machine's memory (every process tells the others its own)."""
+    layers = config.text_config.num_hidden_layers
+    if isinstance(split, str):
+        counts = parse_split(split, group.size(), layers)
+    elif split is not None:
+        counts = parse_split(",".join(map(str, split)), group.size(), layers)
+    else:
+        mine = mx.array([machine_memory() / 2**30], dtype=mx.float32)
+        memory = mx.distributed.all_gather(mine, group=group, stream=mx.cpu).tolist()
+        counts = split_layers(layers, group.size(), memory)
+    return PipelineStage(group, config.text_config, counts)
+
+
+def load_sharded(
+    path_or_repo_id: str | Path,
+    group: mx.distributed.Group | None = None,
+    parallel: str = "pipeline",
+    split: str | list[int] | None = None,
+    dtype: str | None = None,
+    revision: str | None = None,
+    lazy_ple: bool = True,
+):
+    """``model, processor`` for this process's part of a model shared by ``group`` (default: the
+    group ``mlx.launch`` started). ``parallel="pipeline"`` gives each process a run of layers (see
+    :func:`plan_pipeline` for ``split``); only that part's weights are read. Every process must call
+    this, and then run the same generation calls."""
+    from ..loading import load_config, load_model, resolve_model_path
+    from ..processing.processor import Processor
+
+    if parallel not in PARALLEL_MODES:
+        raise OptionError(f"parallel must be one of {', '.join(PARALLEL_MODES)}, not {parallel!r}")
+    group = group or mx.distributed.init()
+    model_path = resolve_model_path(path_or_repo_id, revision=revision)
+    config = load_config(model_path)
+    stage = plan_pipeline(config, group, split)
+    model = load_model(model_path, dtype=dtype, lazy_ple=lazy_ple, stage=stage)
+    stage.dtype = model.language_model.norm.weight.dtype  # the activations' type, sent between processes
+    # Every process has its part in memory before any runs (a slow reader would look like a dead peer).
+    mx.eval(mx.distributed.all_sum(mx.array(1.0), group=group, stream=mx.cpu))
+    processor = Processor.from_pretrained(model_path, model.config)
+    return model, processor
+
+
+__all__ = ["load_sharded", "plan_pipeline", "world", "PipelineStage", "split_layers", "PARALLEL_MODES"]
