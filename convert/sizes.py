@@ -74,9 +74,10 @@ def size_table(variants: list[str] | None = None, group_size: int = 64, dtype: s
         q8 = converted_bytes(config, dtype=dtype, quantize=True, q_bits=8, q_group_size=group_size)
         q4 = converted_bytes(config, dtype=dtype, quantize=True, q_bits=4, q_group_size=group_size)
         ple = f"{gb(float_['ple'])} / {gb(q8['ple'])} / {gb(q4['ple'])}" if params["ple"] else "-"
-        towers = gb(float_["vision"] + float_["audio"]) + (" (vision + audio)" if params["audio"] else " (vision)")
+        parts = "vision + audio" if params["audio"] else "vision"
         if config["model_type"] == "gemma4_unified":
-            towers += ", embedders only"  # the 12B has no encoder towers
+            parts += ", embedders only"  # the 12B has no encoder towers
+        towers = f"{gb(float_['vision'] + float_['audio'])} ({parts})"
         rows.append(
             f"| {name} | {params['total'] / 1e9:.2f}B | {gb(float_['total'])} | {gb(q8['total'])} | {gb(q4['total'])} "
             f"| {ple} | {towers} |"
