@@ -199,27 +199,14 @@ def test_text_only_unified_checkpoints_load(unified, tmp_path):
 
 
 @pytest.mark.parametrize("ordered", [False, True], ids=["dense-head", "centroid-head"])
-def test_unified_drafter_matches_transformers_and_keeps_greedy_tokens(unified, ordered, tmp_path):
-    """The 12B's drafter (gemma4_unified_assistant): logits and projected state as transformers',
-    and speculative decoding with it gives the plain greedy tokens."""
+def test_unified_drafter_keeps_greedy_tokens(unified, ordered, tmp_path):
+    """The 12B's drafter (gemma4_unified_assistant; its logits against transformers' are in
+    test_speculative.py): speculative decoding with it gives the plain greedy tokens."""
     hf = build_hf_assistant("unified", ordered=ordered)
     hf.save_pretrained(tmp_path)
     drafter = load_drafter(tmp_path)
     assert drafter.config.model_type == "gemma4_unified_assistant"
     drafter.check_target(unified.model.text_config)
-    g = torch.Generator().manual_seed(3)
-    specs = drafter.config.layer_specs()
-    kv = {}
-    for spec, length in ((specs[0], 7), (specs[-1], 11)):
-        shape = (1, spec.num_kv_heads, length, spec.head_dim)
-        kv[spec.layer_type] = (torch.randn(shape, generator=g), torch.randn(shape, generator=g))
-    x = torch.randn(1, 1, 2 * hf.config.backbone_hidden_size, generator=g)
-    with torch.no_grad():
-        ref = hf(inputs_embeds=x, position_ids=torch.tensor([[11]]), shared_kv_states=kv)
-    logits, projected = drafter(mx.array(x.numpy()), {k: (mx.array(a.numpy()), mx.array(b.numpy())) for k, (a, b) in kv.items()}, mx.array(11))
-    assert rel_err(logits, ref.logits.numpy()) < 1e-4
-    assert rel_err(projected, ref.last_hidden_state.numpy()) < 1e-4
-
     model, prompt = unified.model, mx.array([2, 5, 17, 99, 3, 44, 12])
     plain = [t for t, _ in generate_tokens(model, prompt, model.make_cache(), 30, make_sampler(0.0))]
     stats = SpeculativeStats()

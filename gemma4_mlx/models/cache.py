@@ -98,7 +98,24 @@ class QuantizedRotatingKVCache(_BaseCache):
         return sum(r.nbytes for r in self.rings)
 
 
-class ValueOnlyKVCache(_BaseCache):
+class _TrimmableCache(_BaseCache):
+    """A cache whose length is its ``offset`` and that trims by moving it back (mlx-lm's ``KVCache`` rule)."""
+
+    offset = 0
+
+    def size(self):
+        return self.offset
+
+    def is_trimmable(self):
+        return True
+
+    def trim(self, n):
+        n = min(self.offset, n)
+        self.offset -= n
+        return n
+
+
+class ValueOnlyKVCache(_TrimmableCache):
     """A K=V layer's cache: it stores the values alone (exact, or quantized with ``bits``) and
     returns the keys as ``keys_from_values(values)``, a :class:`~gemma4_mlx.ops.DerivedKeys` that
     makes them when attention reads them. Grows in steps of 256 tokens, as mlx-lm's ``KVCache``.
@@ -147,16 +164,6 @@ class ValueOnlyKVCache(_BaseCache):
     def state(self):
         return self.buffers, self.offset
 
-    def size(self):
-        return self.offset
-
-    def is_trimmable(self):
-        return True
-
-    def trim(self, n):
-        n = min(self.offset, n)
-        self.offset -= n
-        return n
 
     def make_mask(self, *args, **kwargs):
         return create_attention_mask(*args, offset=self.offset, **kwargs)
@@ -169,7 +176,7 @@ class ValueOnlyKVCache(_BaseCache):
         return 0 if self.buffers is None else sum(b.nbytes for b in self.buffers)
 
 
-class PassedLayerCache(_BaseCache):
+class PassedLayerCache(_TrimmableCache):
     """The cache of a layer another process runs (pipeline parallelism): it holds nothing and only
     counts the tokens that went by, so that every process's cache list has the same offsets and
     trims alike (generation reads and rewinds ``cache[0]`` whichever process it runs in).
@@ -200,16 +207,6 @@ class PassedLayerCache(_BaseCache):
     def state(self):
         return [] if self.sent is None else [self.sent]
 
-    def size(self):
-        return self.offset
-
-    def is_trimmable(self):
-        return True
-
-    def trim(self, n):
-        n = min(self.offset, n)
-        self.offset -= n
-        return n
 
     def empty(self):
         return True
