@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 from typing import Any
 
@@ -20,6 +21,7 @@ def _read_stdin() -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
+    from .distributed import load_sharded, world
     from .loading import load
 
     p = argparse.ArgumentParser(prog="python -m gemma4_mlx", description="Generate text with Gemma 4 on MLX.")
@@ -45,8 +47,12 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--kv-bits", type=int, default=None, help="quantize the KV cache to 8 or 4 bits per value (long contexts in less memory)")
     p.add_argument("--kv-group-size", type=int, default=64, help="values sharing a scale in the quantized KV cache: 32, 64, 128")
     p.add_argument("--quiet", action="store_true", help="print only the generated text")
+    p.add_argument("--parallel", choices=["pipeline"], default="pipeline",
+                   help="under mlx.launch with several processes: how the model is shared (pipeline: a run of layers each)")  # fmt: skip
+    p.add_argument("--split", default=None, help="layers per process, e.g. 20,15 (default: in proportion to each machine's memory)")
     args = p.parse_args(argv)
 
+    group = None
     try:
         text = _read_stdin() if args.prompt == "-" else args.prompt
         options = dict(
@@ -56,7 +62,15 @@ def main(argv: list[str] | None = None) -> int:
             kv_group_size=args.kv_group_size,
         )  # fmt: skip
         GenerationOptions(**options)  # bad values fail here, before the model loads
-        model, processor = load(args.model, dtype=args.dtype)
+        group = world()
+        if group is None:
+            model, processor = load(args.model, dtype=args.dtype)
+        else:  # started by mlx.launch: this process runs its part; rank 0 prints
+            model, processor = load_sharded(args.model, group, parallel=args.parallel, split=args.split, dtype=args.dtype)
+            if group.rank() != 0:
+                sys.stdout = open(os.devnull, "w")
+            elif not args.quiet:
+                print(f"pipeline over {group.size()} processes: {model.stage.describe()}", file=sys.stderr)
         if args.raw:
             prompt: Any = text
         else:
@@ -71,7 +85,8 @@ def main(argv: list[str] | None = None) -> int:
             last = chunk
         print()
         if last is not None and not args.quiet:
-            print(last.summary(), file=sys.stderr)
+            where = f"[rank {group.rank()}] " if group is not None else ""
+            print(where + last.summary(), file=sys.stderr)
     except (OSError, ValueError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 1

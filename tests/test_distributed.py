@@ -1,0 +1,163 @@
+"""Gemma 4 across processes with mx.distributed: ``mlx.launch -n 2`` and ``-n 3`` with the ring
+backend over localhost (MLX's CPU backend here) give the greedy tokens of one process, for the three
+shape families (a split between a KV-shared layer and its source; MoE), chunked prefill, a quantized
+KV cache and a multimodal prompt; each process holds only its part of the weights."""
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from checkpoints import AUDIO, SMALL_VIT, build_hf_model, save_checkpoint
+from helpers import random_image, tone
+
+import gemma4_mlx
+from gemma4_mlx.config import ModelConfig
+from gemma4_mlx.distributed import split_layers
+from gemma4_mlx.distributed.pipeline import PipelineStage, parse_split
+from gemma4_mlx.errors import OptionError
+from gemma4_mlx.generation.stream import stream_generate
+
+WORKER = Path(__file__).parent / "distributed_worker.py"
+LAUNCH = Path(sys.executable).parent / "mlx.launch"
+
+
+def launch(n: int, requests: list[dict], timeout: float = 300) -> list[list[dict]]:
+    """Run the worker in ``n`` processes over ``requests``; per request, the processes' JSON lines by rank."""
+    cmd = [str(LAUNCH), "-n", str(n), "--backend", "ring", sys.executable, str(WORKER), json.dumps(requests)]
+    done = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=os.environ.copy())
+    lines = [json.loads(l) for l in done.stdout.splitlines() if l.startswith("{")]
+    assert done.returncode == 0 and len(lines) == n * len(requests), f"rc {done.returncode}\n{done.stdout}\n{done.stderr[-3000:]}"
+    return [sorted((l for l in lines if l["index"] == i), key=lambda l: l["rank"]) for i in range(len(requests))]
+
+
+def single_process(path, prompt, options) -> list[int]:
+    model, processor = gemma4_mlx.load(path)
+    return [c.token for c in stream_generate(model, processor, prompt, **options)]
+
+
+@pytest.fixture(scope="module")
+def checkpoints(tmp_path_factory):
+    root = tmp_path_factory.mktemp("distributed")
+    paths = {name: save_checkpoint(build_hf_model(name), root / name) for name in ("e2b", "moe26b", "dense31b")}
+    paths["e2b_mm"] = save_checkpoint(build_hf_model("e2b", vision_config=SMALL_VIT, audio_config=AUDIO), root / "e2b_mm")
+    return paths
+
+
+@pytest.fixture(scope="module")
+def media(tmp_path_factory):
+    """A chat message with an image and a clip, as files."""
+    import soundfile
+
+    folder = tmp_path_factory.mktemp("media")
+    random_image(90, 60, 0).save(folder / "a.png")
+    soundfile.write(folder / "a.wav", tone(0.5), 16000)
+    return [{"role": "user", "content": [{"type": "image", "path": str(folder / "a.png")},
+                                         {"type": "audio", "path": str(folder / "a.wav")},
+                                         {"type": "text", "text": "What is this?"}]}]  # fmt: skip
+
+
+PROMPT = [2] + list(range(10, 70))  # longer than the windows (8, 16): the rings wrap
+# (model, processes, split, prompt, options); one launch per process count runs them all.
+CASES = [
+    ("e2b", 2, "6,4", PROMPT, {}),  # the KV-shared layers' two sources cross the split
+    ("e2b", 2, "5,5", PROMPT, {"prefill_step_size": 7}),  # one source crosses; chunked prefill
+    ("moe26b", 2, None, PROMPT, {}),  # split by memory (even here)
+    ("e2b_mm", 2, "5,5", "media", {"max_soft_tokens": 70}),  # the first process encodes
+    ("e2b", 3, "5,1,4", PROMPT, {}),  # layer 4's K/V pass through the middle process
+    ("dense31b", 3, "3,3,2", PROMPT, {"kv_bits": 8, "kv_group_size": 32}),
+]
+IDS = [f"{c[0]}-{c[1]}x-{c[2] or 'memory'}" for c in CASES]
+
+
+@pytest.fixture(scope="module")
+def runs(checkpoints, media):
+    """Every case's lines per rank, by case id: one launch of 2 processes, one of 3."""
+    results = {}
+    for n in (2, 3):
+        cases = [(i, c) for i, c in zip(IDS, CASES) if c[1] == n]
+        requests = [{"model": str(checkpoints[m]), "split": split, "prompt": media if p == "media" else p,
+                     "options": {"max_tokens": 16, **o}} for _, (m, _, split, p, o) in cases]  # fmt: skip
+        results.update(zip([i for i, _ in cases], launch(n, requests)))
+    return results
+
+
+def test_layer_splits():
+    assert split_layers(10, 3) == [4, 3, 3]
+    assert split_layers(35, 2, memory=[64, 32]) == [23, 12]  # a 64 GB and a 32 GB Mac
+    assert split_layers(4, 3, memory=[1000, 1, 1]) == [2, 1, 1]  # everyone gets a layer
+    assert parse_split("3,4,3", 3, 10) == [3, 4, 3]
+    for bad in ("3,3", "5,5,0", "a,b,c"):
+        with pytest.raises(OptionError):
+            parse_split(bad, 3, 10)
+    with pytest.raises(OptionError, match="at least one layer"):
+        split_layers(2, 3)
+
+
+class FakeGroup:
+    def __init__(self, rank, size):
+        self._rank, self._size = rank, size
+
+    def rank(self):
+        return self._rank
+
+    def size(self):
+        return self._size
+
+
+def test_kv_shared_layers_get_their_sources_kv_across_a_split(checkpoints):
+    """E2B-like: 10 layers, the last 4 read layer 5's (sliding) and layer 4's (full) K/V."""
+    config = ModelConfig.from_file(checkpoints["e2b"] / "config.json").text_config
+    assert {s.kv_source for s in config.layers if s.is_kv_shared} == {4, 5}
+    stages = [PipelineStage(FakeGroup(r, 3), config, [5, 1, 4]) for r in range(3)]
+    assert [(s.start, s.end) for s in stages] == [(0, 5), (5, 6), (6, 10)]
+    # Layer 4's K/V pass through the middle process (which keeps no copy), beside its own layer 5's.
+    assert stages[0].crossing(5) == [4] and stages[1].mirrors == [] and stages[1].crossing(6) == [4, 5]
+    assert stages[2].mirrors == [4, 5] and stages[2].cached_here(4) and not stages[1].cached_here(4)
+    assert stages[2].reference_layer("sliding_attention") == 5 and stages[2].reference_layer("full_attention") == 4
+    split = [PipelineStage(FakeGroup(r, 2), config, [4, 6]) for r in range(2)]
+    assert split[1].mirrors == [] and split[0].crossing(4) == []  # both sources beside their readers
+    assert split[0].keeps("language_model.layers.3.mlp.down_proj.weight") and not split[1].keeps("language_model.layers.3.mlp.down_proj.weight")
+    assert split[0].keeps("language_model.embed_tokens_per_layer.weight") and not split[1].keeps("language_model.embed_tokens_per_layer.weight")
+    assert all(s.keeps("language_model.embed_tokens.weight") for s in split)  # the tied LM head, everywhere
+
+
+@pytest.mark.parametrize("case", IDS)
+def test_pipeline_gives_the_tokens_of_one_process(checkpoints, media, runs, case):
+    model, n, split, prompt, options = CASES[IDS.index(case)]
+    expected = single_process(checkpoints[model], media if prompt == "media" else prompt, {"max_tokens": 16, **options})
+    assert expected
+    for line in runs[case]:
+        assert line["tokens"] == expected, line["rank"]
+
+
+def test_each_process_holds_only_its_part_of_the_weights(checkpoints, runs):
+    """Weights held per process: its layers, plus the embeddings and final norm every process has
+    (the tied LM head) and, on the first, the per-layer inputs' projection. MLX's active memory
+    after loading is those weights: the other layers' are never read."""
+    from mlx.utils import tree_flatten
+
+    model, _ = gemma4_mlx.load(checkpoints["e2b"])
+    sizes = {k: v.nbytes for k, v in tree_flatten(model.parameters())}
+    total = sum(sizes.values())
+    later = sum(v for k, v in sizes.items() if any(k.startswith(f"language_model.layers.{i}.") for i in range(6, 10)))
+    shared = sizes["language_model.embed_tokens.weight"] + sizes["language_model.norm.weight"]
+    lines = runs["e2b-2x-6,4"]
+    assert [l["weights"] for l in lines] == [total - later, later + shared]
+    for line in lines:
+        assert line["weights"] <= line["active"] <= 1.05 * line["weights"] + 256 * 1024, line
+
+
+def test_sharded_generation_from_the_command_line(checkpoints):
+    """``mlx.launch -n 2 python -m gemma4_mlx --split ...``: the text of one process, printed once."""
+    model, processor = gemma4_mlx.load(checkpoints["moe26b"])
+    expected = gemma4_mlx.generate(model, processor, [{"role": "user", "content": "hello"}], max_tokens=12)
+    args = ["--model", str(checkpoints["moe26b"]), "--prompt", "hello", "--max-tokens", "12", "--split", "2,4"]
+    cmd = [str(LAUNCH), "-n", "2", "--backend", "ring", sys.executable, "-m", "gemma4_mlx", *args]
+    done = subprocess.run(cmd, capture_output=True, text=True, timeout=180)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert done.stdout == expected + "\n" and expected
+    assert "rank 0: layers 0-1, rank 1: layers 2-5" in done.stderr
+    assert "[rank 0] prompt:" in done.stderr and "[rank 1] prompt:" in done.stderr  # each process's statistics
