@@ -161,3 +161,43 @@ def test_sharded_generation_from_the_command_line(checkpoints):
     assert done.stdout == expected + "\n" and expected
     assert "rank 0: layers 0-1, rank 1: layers 2-5" in done.stderr
     assert "[rank 0] prompt:" in done.stderr and "[rank 1] prompt:" in done.stderr  # each process's statistics
+
+
+def free_ports(n: int) -> list[int]:
+    import socket
+
+    sockets = [socket.socket() for _ in range(n)]
+    for s in sockets:
+        s.bind(("127.0.0.1", 0))
+    ports = [s.getsockname()[1] for s in sockets]
+    for s in sockets:
+        s.close()
+    return ports
+
+
+def test_a_dead_or_unreachable_peer_stops_the_others_with_a_message(checkpoints, tmp_path):
+    """Processes started by hand (no mlx.launch to stop the rest): when process 1 dies mid-reply,
+    process 0 says so and exits within the limit; a process whose peer never starts says it could
+    not connect. (MLX's ring backend alone would wait forever in both cases.)"""
+    import time
+
+    env = {**os.environ, "GEMMA4_MLX_DISTRIBUTED_TIMEOUT": "4"}
+    pair, lone = tmp_path / "pair.json", tmp_path / "lone.json"
+    a, b, c, d = free_ports(4)
+    pair.write_text(json.dumps([[f"127.0.0.1:{a}"], [f"127.0.0.1:{b}"]]))
+    lone.write_text(json.dumps([[f"127.0.0.1:{c}"], [f"127.0.0.1:{d}"]]))
+    request = json.dumps([{"model": str(checkpoints["e2b"]), "split": "6,4", "prompt": PROMPT, "options": {"max_tokens": 200}, "die": [1, 3]}])
+
+    def start(hostfile, rank):
+        return subprocess.Popen([sys.executable, str(WORKER), request], env={**env, "MLX_HOSTFILE": str(hostfile), "MLX_RANK": str(rank)},
+                                stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)  # fmt: skip
+
+    began = time.monotonic()
+    survivor, dying, alone = start(pair, 0), start(pair, 1), start(lone, 0)
+    outputs = {name: p.communicate(timeout=120) for name, p in (("survivor", survivor), ("dying", dying), ("alone", alone))}
+    assert time.monotonic() - began < 100
+    assert dying.returncode == 3
+    assert survivor.returncode == 75, outputs["survivor"][1][-2000:]
+    assert "error: process 0 of 2: a forward pass got no answer from the other processes in 4 s" in outputs["survivor"][1]
+    assert alone.returncode == -9, outputs["alone"][1][-2000:]
+    assert "error: process 0 could not connect to the other processes in 4 s" in outputs["alone"][1]

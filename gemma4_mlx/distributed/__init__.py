@@ -7,6 +7,7 @@ same generation code. :mod:`.pipeline` splits the decoder's layers across the pr
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import mlx.core as mx
@@ -14,15 +15,27 @@ import mlx.core as mx
 from ..config import ModelConfig
 from ..errors import OptionError
 from .pipeline import PipelineStage, parse_split, split_layers
+from .watchdog import TIMEOUT_VARIABLE, Watchdog, connecting, default_timeout
 
 PARALLEL_MODES = ("pipeline",)
 
 
 def world() -> mx.distributed.Group | None:
-    """The group this process was launched in (``mlx.launch``), or None when it runs alone."""
+    """The group this process was launched in (``mlx.launch``), or None when it runs alone. Gives
+    up with a clear message when the other processes cannot be reached in time (see :mod:`.watchdog`)."""
     if not mx.distributed.is_available():
         return None
-    group = mx.distributed.init()
+    if "MLX_RANK" not in os.environ:  # not started by mlx.launch: nothing to connect to
+        group = mx.distributed.init()
+    else:
+        timeout = default_timeout()
+        message = (
+            f"error: process {os.environ['MLX_RANK']} could not connect to the other processes in {timeout:.0f} s: "
+            "check that every machine started (mlx.launch), the addresses in the hostfile, and the firewall. "
+            f"(The limit is {TIMEOUT_VARIABLE}.)"
+        )
+        with connecting(timeout, message):
+            group = mx.distributed.init()
     return group if group.size() > 1 else None
 
 
@@ -69,11 +82,17 @@ def load_sharded(
     group = group or mx.distributed.init()
     model_path = resolve_model_path(path_or_repo_id, revision=revision)
     config = load_config(model_path)
+    watchdog = Watchdog(group.rank(), group.size())
+    watchdog.expect("planning the split", watchdog.timeout)
     stage = plan_pipeline(config, group, split)
+    stage.watchdog = watchdog
     model = load_model(model_path, dtype=dtype, lazy_ple=lazy_ple, stage=stage)
     stage.dtype = model.language_model.norm.weight.dtype  # the activations' type, sent between processes
-    # Every process has its part in memory before any runs (a slow reader would look like a dead peer).
+    # Every process has its part in memory before any runs (a slow reader would look like a dead
+    # peer); the machines read at their own pace, hence the longer limit.
+    watchdog.expect("loading the weights", 10 * watchdog.timeout)
     mx.eval(mx.distributed.all_sum(mx.array(1.0), group=group, stream=mx.cpu))
+    watchdog.idle()
     processor = Processor.from_pretrained(model_path, model.config)
     return model, processor
 

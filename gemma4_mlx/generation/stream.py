@@ -128,6 +128,8 @@ def _stream_chunks(model, ids, cache, request, opts, drafter, num_draft_tokens, 
                 finish = "length"
         if finish:
             detokenizer.finalize()
+        if getattr(model, "stage", None) is not None:  # pipeline: this token's pass is done; the caller may take its time
+            model.stage.idle()
         yield GenerationChunk(
             text=detokenizer.last_segment,
             token=tok,

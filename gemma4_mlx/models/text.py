@@ -471,6 +471,8 @@ class TextModel(nn.Module):
         stage = self.stage
         received: dict = {}  # pipeline: new K/V of source layers run by an earlier process
         per_layer_base = 0  # the layer index of per_layer[:, :, 0]
+        if stage is not None:
+            stage.begin()
         if stage is not None and not stage.is_first:
             shape = (input_ids if input_ids is not None else inputs_embeds).shape
             h, per_layer, received = stage.receive(shape[0], shape[1])
