@@ -118,3 +118,22 @@ def test_prefill_peak_grows_by_the_kv_cache_alone(family, monkeypatch):
     monkeypatch.setattr(blockwise, "SCORES_BUDGET", 2**40)
     unbounded, _ = growth()
     assert unbounded > 5 * kv, (unbounded, kv)
+
+
+def test_memory_per_process_of_a_pipeline(e2b, tmp_path):
+    """``process_estimates``: the processes' weights add up to the model's plus the embeddings and
+    final norm each further process holds; each holds the caches of its layers and of the sources of
+    its KV-shared layers; the command prints a line per process."""
+    from gemma4_mlx.memory import estimate, kv_cache_bytes, process_estimates
+    from gemma4_mlx.memory.__main__ import main
+
+    whole = estimate(e2b.path, 64)
+    parts = process_estimates(e2b.path, 64, 2, "6,4")
+    assert [layers for layers, _ in parts] == ["layers 0-5", "layers 6-9"]
+    lm = e2b.model.language_model
+    repeated = lm.embed_tokens.weight.nbytes + lm.norm.weight.nbytes
+    assert sum(e.weights for _, e in parts) == whole.weights + repeated
+    text = e2b.model.text_config
+    assert parts[0][1].kv_cache == whole.kv_cache  # layers 6-9 are KV-shared: every cache is in 0-5
+    assert parts[1][1].kv_cache == kv_cache_bytes(text, 64, layers={4, 5}) > 0  # copies of their sources'
+    assert main(["--model", str(e2b.path), "--context", "64", "--processes", "3"]) == 0

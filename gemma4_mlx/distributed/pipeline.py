@@ -69,6 +69,19 @@ def parse_split(text: str, size: int, num_layers: int) -> list[int]:
     return counts
 
 
+class _Planned:
+    """A stand-in for an ``mx.distributed.Group`` of ``size`` processes, seen from ``rank``."""
+
+    def __init__(self, rank: int, size: int):
+        self._rank, self._size = rank, size
+
+    def rank(self) -> int:
+        return self._rank
+
+    def size(self) -> int:
+        return self._size
+
+
 @dataclass
 class PipelineStage:
     """This process's part of the pipeline: layers ``[start, end)`` of ``counts`` per rank."""
@@ -85,6 +98,11 @@ class PipelineStage:
             raise OptionError(f"layer split {self.counts} does not fit {self.size} processes and {self.config.num_hidden_layers} layers")
         ends = [sum(self.counts[: r + 1]) for r in range(self.size)]
         self.bounds = [(e - c, e) for e, c in zip(ends, self.counts)]
+
+    @classmethod
+    def planned(cls, config: TextConfig, counts: list[int], rank: int) -> "PipelineStage":
+        """Process ``rank``'s part of a split, without a group (to plan memory, not to run)."""
+        return cls(_Planned(rank, len(counts)), config, counts)
 
     @property
     def rank(self) -> int:

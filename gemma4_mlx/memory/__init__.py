@@ -78,15 +78,15 @@ def kv_value_bytes(bytes_per_value: int = 2, kv_bits: int | None = None, kv_grou
 
 def kv_cache_bytes(
     text: TextConfig, context: int, bytes_per_value: int = 2, sliding_slack: int = 0, prefill_step_size: int = 2048,
-    kv_bits: int | None = None, kv_group_size: int = 64, single_kv_storage: bool = True,
+    kv_bits: int | None = None, kv_group_size: int = 64, single_kv_storage: bool = True, layers=None,
 ) -> int:  # fmt: skip
     """Bytes of the KV cache after ``context`` tokens (see the module docstring; ``single_kv_storage``
-    as ``Gemma4Model.make_cache`` takes it)."""
+    as ``Gemma4Model.make_cache`` takes it); ``layers``: only the caches of these layer indices."""
     total = 0
     full_tokens = full_cache_tokens(context, prefill_step_size)
     element = kv_value_bytes(bytes_per_value, kv_bits, kv_group_size)
     for spec in text.layers:
-        if spec.is_kv_shared:
+        if spec.is_kv_shared or (layers is not None and spec.index not in layers):
             continue
         tensors = 1 if spec.k_eq_v and single_kv_storage else 2
         per_token = round(tensors * spec.num_kv_heads * spec.head_dim * element)
@@ -145,15 +145,25 @@ def weights_bytes(path: Path, config: ModelConfig, mapped_ple: bool = True) -> i
     """Bytes of the tensors in ``path``'s safetensors files (``mx.load`` is lazy: only their headers
     are read), without the per-layer table when it stays memory-mapped; a folder with only
     ``config.json``: the bytes of the parameters of the model it describes."""
-    from ..loading.checkpoint import read_weights
+    return sum(_tensor_bytes(path, config, mapped_ple).values())
 
-    files = sorted(path.glob("*.safetensors"))
+
+def _tensor_bytes(path: Path | None, config: ModelConfig, mapped_ple: bool = True) -> dict[str, int]:
+    """Bytes per tensor, by our module tree's names: of a folder's safetensors files (headers only),
+    or of the model a bare config describes; the memory-mapped per-layer table left out."""
+    from ..loading.checkpoint import read_weights, sanitize
+
+    files = sorted(path.glob("*.safetensors")) if path is not None else []
     if not files:
-        return _described_weights_bytes(config)
-    return sum(v.nbytes for k, v in read_weights(files).items() if not (mapped_ple and "embed_tokens_per_layer" in k))
+        return _described_tensor_bytes(config)
+    return {k: v.nbytes for k, v in sanitize(read_weights(files), config).items() if not (mapped_ple and "embed_tokens_per_layer" in k)}
 
 
 def _described_weights_bytes(config: ModelConfig) -> int:
+    return sum(_described_tensor_bytes(config).values())
+
+
+def _described_tensor_bytes(config: ModelConfig) -> dict[str, int]:
     """Parameter bytes of the (lazy, never evaluated) model ``config`` describes, bf16 or quantized."""
     import mlx.nn as nn
     from mlx.utils import tree_flatten
@@ -170,7 +180,7 @@ def _described_weights_bytes(config: ModelConfig) -> int:
         overrides = {k: v for k, v in q.items() if isinstance(v, dict)}  # per-module bits, as the file says
         nn.quantize(model, group_size=q.get("group_size", 64), bits=q.get("bits", 4), mode=q.get("mode", "affine"),
                     class_predicate=lambda p, m: hasattr(m, "to_quantized") and not p.startswith(TOWERS) and overrides.get(p, True))  # fmt: skip
-    return sum(v.nbytes for k, v in tree_flatten(model.parameters()) if "embed_tokens_per_layer" not in k)
+    return {k: v.nbytes for k, v in tree_flatten(model.parameters()) if "embed_tokens_per_layer" not in k}
 
 
 def _resolve(path_or_config: str | Path) -> tuple[Path | None, ModelConfig]:
@@ -195,6 +205,31 @@ def estimate(
     weights = weights_bytes(folder, config, mapped_ple) if folder is not None else _described_weights_bytes(config)
     kv = kv_cache_bytes(text, context, 2, 0, prefill_step_size, kv_bits, kv_group_size)
     return MemoryEstimate(context, weights, kv, workspace_bytes(text, context, prefill_step_size, 2, kv_bits))
+
+
+def process_estimates(
+    path_or_config: str | Path, context: int, processes: int, split: str | None = None, prefill_step_size: int = 2048,
+    mapped_ple: bool = True, kv_bits: int | None = None, kv_group_size: int = 64,
+) -> list[tuple[str, MemoryEstimate]]:  # fmt: skip
+    """Per process of a pipeline (see :mod:`gemma4_mlx.distributed.pipeline`): its layers and the
+    memory it needs at ``context`` tokens: its weights (its layers', the embeddings every process
+    holds, and on the first the media encoders), the caches of its layers (and of the layers whose
+    K/V its KV-shared layers read), and the workspace (every process applies the LM head)."""
+    from ..distributed.pipeline import PipelineStage, parse_split, split_layers
+
+    folder, config = _resolve(path_or_config)
+    text = config.text_config
+    counts = parse_split(split, processes, text.num_hidden_layers) if split else split_layers(text.num_hidden_layers, processes)
+    tensors = _tensor_bytes(folder, config, mapped_ple)
+    workspace = workspace_bytes(text, context, prefill_step_size, 2, kv_bits)
+    out = []
+    for rank in range(processes):
+        stage = PipelineStage.planned(text, counts, rank)
+        weights = sum(n for k, n in tensors.items() if stage.keeps(k))
+        layers = {i for i in range(text.num_hidden_layers) if stage.cached_here(i)}
+        kv = kv_cache_bytes(text, context, 2, 0, prefill_step_size, kv_bits, kv_group_size, layers=layers)
+        out.append((f"layers {stage.start}-{stage.end - 1}", MemoryEstimate(context, weights, kv, workspace)))
+    return out
 
 
 def longest_context(path_or_config: str | Path, memory: float, prefill_step_size: int = 2048, kv_bits: int | None = None, kv_group_size: int = 64) -> int:
