@@ -201,3 +201,48 @@ def test_a_dead_or_unreachable_peer_stops_the_others_with_a_message(checkpoints,
     assert "error: process 0 of 2: a forward pass got no answer from the other processes in 4 s" in outputs["survivor"][1]
     assert alone.returncode == -9, outputs["alone"][1][-2000:]
     assert "error: process 0 could not connect to the other processes in 4 s" in outputs["alone"][1]
+
+
+def test_a_process_reads_and_downloads_only_its_shards(tmp_path, monkeypatch):
+    """A sharded E2B-like checkpoint: process 1 of a 5,5 split needs only the shards holding layers
+    5-9, the embeddings and the final norm; it loads with the other shards gone, holding only its
+    part; from the Hub it asks for the config first, then those shards."""
+    import shutil
+
+    import huggingface_hub
+    from mlx.utils import tree_flatten
+
+    from gemma4_mlx.distributed import own_shards
+    from gemma4_mlx.loading import load_model
+
+    folder = save_checkpoint(build_hf_model("e2b"), tmp_path / "sharded", max_shard_size="60KB")
+    config = ModelConfig.from_file(folder / "config.json").text_config
+    stage = PipelineStage.planned(config, [5, 5], 1)
+    mine = own_shards(folder, stage)
+    everything = sorted(p.name for p in folder.glob("*.safetensors"))
+    assert 1 < len(mine) < len(everything)
+    for name in set(everything) - set(mine):
+        (folder / name).unlink()
+    model = load_model(folder, stage=stage)
+    names = [k for k, _ in tree_flatten(model.parameters())]
+    layers = {int(k.split(".")[2]) for k in names if k.startswith("language_model.layers.")}
+    assert layers == set(range(5, 10)) and "language_model.embed_tokens.weight" in names
+    assert not any("per_layer_model_projection" in k for k in names)  # the first process's
+
+    # From the Hub: the metadata (no weights), then this process's shards.
+    asked = []
+
+    def snapshot_download(repo, revision=None, allow_patterns=(), tqdm_class=None):
+        asked.append(list(allow_patterns))
+        if any(p.endswith(".safetensors") and "*" not in p for p in allow_patterns):
+            return str(folder)
+        meta = tmp_path / "meta"
+        shutil.copytree(folder, meta, ignore=shutil.ignore_patterns("*.safetensors"), dirs_exist_ok=True)
+        return str(meta)
+
+    monkeypatch.setattr(huggingface_hub, "snapshot_download", snapshot_download)
+    from gemma4_mlx.loading import resolve_model_path
+
+    meta = resolve_model_path("someone/gemma-4-e2b", weights=[])
+    assert not any("safetensors" in p for p in asked[0]) and own_shards(meta, stage) == mine
+    assert resolve_model_path("someone/gemma-4-e2b", weights=mine) == folder and asked[1][-len(mine) :] == mine

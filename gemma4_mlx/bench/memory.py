@@ -36,7 +36,7 @@ KINDS = ("ours-lazy-ple", "ours-full-ple", "mlx-lm")
 def write_checkpoint(folder: str | Path, variant: str = "e2b", bits: int = 4, group_size: int = 64,
                      layers: int | None = None, vocab_size: int = 262_144, seed: int = 0, text: dict | None = None,
                      progress=print) -> Path:  # fmt: skip
-    """A random, quantized ``gemma4_text`` folder with the variant's real shapes (or the text config
+    """A random ``gemma4_text`` folder, quantized to ``bits`` (None: bf16), with the variant's real shapes (or the text config
     ``text``), in mlx-lm's layout (``model.*`` names, per-module quantization overrides keyed alike),
     with the tiny tokenizer padded to the vocabulary."""
     from convert.converter import write_shards
@@ -54,9 +54,9 @@ def write_checkpoint(folder: str | Path, variant: str = "e2b", bits: int = 4, gr
     mx.random.seed(seed)
     model = Gemma4Model(ModelConfig.from_dict(config))  # lazy: initial values computed when saved
     model.set_dtype(mx.bfloat16)
-    plan = quantize_model(model, QuantizationPlan(bits, group_size, "affine"))
+    plan = quantize_model(model, QuantizationPlan(bits, group_size, "affine")) if bits else None  # None: bf16
     lm = model.language_model
-    if "embed_tokens_per_layer" in lm:
+    if "embed_tokens_per_layer" in lm and plan is not None:
         # Built in row blocks: the whole float table at once would need 9.4 GB (float32 draws).
         table = lm.embed_tokens_per_layer
         rows, dims = table.weight.shape[0], table.scales.shape[1] * table.group_size
@@ -74,8 +74,9 @@ def write_checkpoint(folder: str | Path, variant: str = "e2b", bits: int = 4, gr
     del model, weights
     gc.collect()
     mx.clear_cache()
-    config["quantization"] = {"group_size": group_size, "bits": bits, "mode": "affine",
-                              **{rename(k): v for k, v in plan.overrides.items()}}  # fmt: skip
+    if plan is not None:
+        config["quantization"] = {"group_size": group_size, "bits": bits, "mode": "affine",
+                                  **{rename(k): v for k, v in plan.overrides.items()}}  # fmt: skip
     (folder / "config.json").write_text(json.dumps(config, indent=2))
     write_tokenizer(folder, vocab_size=text["vocab_size"])
     return folder

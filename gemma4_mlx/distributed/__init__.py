@@ -61,6 +61,20 @@ def plan_pipeline(config: ModelConfig, group: mx.distributed.Group, split: str |
     return PipelineStage(group, config.text_config, counts)
 
 
+def own_shards(model_path: Path, stage: PipelineStage) -> list[str]:
+    """The safetensors files of ``model_path`` (from its index; all when it has none) holding a
+    weight of ``stage``'s part."""
+    import json
+
+    from ..loading.checkpoint import rename
+
+    index = model_path / "model.safetensors.index.json"
+    if not index.exists():
+        return ["*.safetensors"]
+    weight_map = json.loads(index.read_text()).get("weight_map", {})
+    return sorted({str(f) for k, f in weight_map.items() if stage.keeps(rename(str(k)))})
+
+
 def load_sharded(
     path_or_repo_id: str | Path,
     group: mx.distributed.Group | None = None,
@@ -80,17 +94,22 @@ def load_sharded(
     if parallel not in PARALLEL_MODES:
         raise OptionError(f"parallel must be one of {', '.join(PARALLEL_MODES)}, not {parallel!r}")
     group = group or mx.distributed.init()
-    model_path = resolve_model_path(path_or_repo_id, revision=revision)
+    local = Path(path_or_repo_id).expanduser().is_dir()
+    # From the Hub, each process fetches the config first, then only the shards its part needs.
+    model_path = resolve_model_path(path_or_repo_id, revision=revision, weights=None if local else [])
     config = load_config(model_path)
     watchdog = Watchdog(group.rank(), group.size())
     watchdog.expect("planning the split", watchdog.timeout)
     stage = plan_pipeline(config, group, split)
     stage.watchdog = watchdog
+    watchdog.idle()
+    if not local:
+        model_path = resolve_model_path(path_or_repo_id, revision=revision, weights=own_shards(model_path, stage))
     model = load_model(model_path, dtype=dtype, lazy_ple=lazy_ple, stage=stage)
     stage.dtype = model.language_model.norm.weight.dtype  # the activations' type, sent between processes
     # Every process has its part in memory before any runs (a slow reader would look like a dead
-    # peer); the machines read at their own pace, hence the longer limit.
-    watchdog.expect("loading the weights", 10 * watchdog.timeout)
+    # peer). The others may still be downloading their shards: a far longer limit, an hour at least.
+    watchdog.expect("waiting for the others to load their weights", max(10 * watchdog.timeout, 3600))
     mx.eval(mx.distributed.all_sum(mx.array(1.0), group=group, stream=mx.cpu))
     watchdog.idle()
     processor = Processor.from_pretrained(model_path, model.config)

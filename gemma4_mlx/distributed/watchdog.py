@@ -13,8 +13,8 @@ runs then) but evaluation releases it:
 * :class:`Watchdog` is a thread that the pipeline arms at each forward pass and disarms when a
   token is out (or between requests).
 
-The limit: ``GEMMA4_MLX_DISTRIBUTED_TIMEOUT`` seconds (default 120) per step or connection; loading
-gets ten times as long (the machines read their weights at their own pace).
+The limit: ``GEMMA4_MLX_DISTRIBUTED_TIMEOUT`` seconds (default 120) per step or connection; waiting
+for the others to load gets ten times as long, an hour at least (they may be downloading).
 """
 
 from __future__ import annotations

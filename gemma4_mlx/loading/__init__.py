@@ -59,7 +59,7 @@ def load_model(
         model = build_model(config)
     except ConfigError as e:  # a tower config with a field of the wrong type
         raise ConfigError(f"{model_path / 'config.json'}: {e}") from None
-    files = weight_files(model_path)
+    files = weight_files(model_path, keep=stage.keeps if stage is not None else None)
     weights = _cast(sanitize(read_weights(files), config), dtype)
     if stage is not None:
         model.use_pipeline(stage)

@@ -27,9 +27,11 @@ def _shard_name(index: Path, name: Any) -> str:
     return name
 
 
-def weight_files(model_path: Path) -> list[Path]:
+def weight_files(model_path: Path, keep=None) -> list[Path]:
     """The safetensors files of a checkpoint, from its index if it has one (names that would leave
-    the folder, such as ``../x.safetensors`` or absolute paths, are refused)."""
+    the folder, such as ``../x.safetensors`` or absolute paths, are refused). ``keep`` (a test on
+    our module tree's names): only the indexed files holding a weight it keeps (a pipeline process's
+    part; the others need not be there)."""
     index = model_path / "model.safetensors.index.json"
     if index.exists():
         try:
@@ -39,7 +41,8 @@ def weight_files(model_path: Path) -> list[Path]:
         if not isinstance(weight_map, dict) or not weight_map:
             kind = type(weight_map).__name__ if not isinstance(weight_map, dict) else "an empty object"
             raise CheckpointError(f"{index} is not a valid safetensors index: its weight_map is {kind}, not a tensor -> file map")
-        files = [model_path / _shard_name(index, name) for name in sorted(set(map(str, weight_map.values())))]
+        names = {str(f) for k, f in weight_map.items() if keep is None or keep(rename(str(k)))}
+        files = [model_path / _shard_name(index, name) for name in sorted(names)]
         missing = [f.name for f in files if not f.exists()]
         if missing:
             raise CheckpointError(f"{model_path} is missing weight shards listed in its index: {', '.join(missing)}")

@@ -11,12 +11,14 @@ _HUB_PATTERNS = ["*.json", "*.safetensors", "*.jinja", "*.model", "*.txt", "*.md
 
 
 def resolve_model_path(
-    path_or_repo_id: str | Path, revision: str | None = None, progress: Callable[[str], None] | None = None
+    path_or_repo_id: str | Path, revision: str | None = None, progress: Callable[[str], None] | None = None,
+    weights: list[str] | None = None,
 ) -> Path:
     """A local folder as is, or a Hub repo id downloaded (or found in the cache) with huggingface_hub.
 
     ``progress``, if given, receives huggingface_hub's progress bars as text while downloading
-    (the app shows them in the page); they still print to the terminal as usual."""
+    (the app shows them in the page); they still print to the terminal as usual. ``weights``: only
+    these safetensors files (a pipeline process's shards; ``[]``: none, for the config and tokenizer)."""
     path = Path(path_or_repo_id).expanduser()
     if path.is_dir():
         # Absolute, so that paths built from it stay right whatever the working directory is later.
@@ -32,7 +34,8 @@ def resolve_model_path(
 
     try:
         tqdm_class = _reporting_tqdm(progress) if progress is not None else None
-        return Path(snapshot_download(text, revision=revision, allow_patterns=_HUB_PATTERNS, tqdm_class=tqdm_class))
+        patterns = _HUB_PATTERNS if weights is None else [p for p in _HUB_PATTERNS if p != "*.safetensors"] + list(weights)
+        return Path(snapshot_download(text, revision=revision, allow_patterns=patterns, tqdm_class=tqdm_class))
     except RepositoryNotFoundError:
         raise FileNotFoundError(f"{text!r} is neither a local folder nor a Hub repository") from None
     except (LocalEntryNotFoundError, HfHubHTTPError, OSError) as e:
