@@ -47,8 +47,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--kv-bits", type=int, default=None, help="quantize the KV cache to 8 or 4 bits per value (long contexts in less memory)")
     p.add_argument("--kv-group-size", type=int, default=64, help="values sharing a scale in the quantized KV cache: 32, 64, 128")
     p.add_argument("--quiet", action="store_true", help="print only the generated text")
-    p.add_argument("--parallel", choices=["pipeline"], default="pipeline",
-                   help="under mlx.launch with several processes: how the model is shared (pipeline: a run of layers each)")  # fmt: skip
+    p.add_argument("--parallel", choices=["pipeline", "tensor"], default="pipeline",
+                   help="under mlx.launch with several processes: how the model is shared (pipeline: a run of layers each; "
+                        "tensor: every layer split, for fast links)")  # fmt: skip
     p.add_argument("--split", default=None, help="layers per process, e.g. 20,15 (default: in proportion to each machine's memory)")
     args = p.parse_args(argv)
 
@@ -70,7 +71,8 @@ def main(argv: list[str] | None = None) -> int:
             if group.rank() != 0:
                 sys.stdout = open(os.devnull, "w")
             elif not args.quiet:
-                print(f"pipeline over {group.size()} processes: {model.stage.describe()}", file=sys.stderr)
+                how = model.stage.describe() if model.stage is not None else "every layer split"
+                print(f"{args.parallel} over {group.size()} processes: {how}", file=sys.stderr)
         if args.raw:
             prompt: Any = text
         else:

@@ -21,7 +21,7 @@ def main() -> None:
     group = world()
     for index, request in enumerate(json.loads(sys.argv[1])):
         before = mx.get_active_memory()
-        model, processor = load_sharded(request["model"], group, split=request.get("split"))
+        model, processor = load_sharded(request["model"], group, parallel=request.get("parallel", "pipeline"), split=request.get("split"))
         loaded = mx.get_active_memory() - before
         weights = sum(v.nbytes for _, v in tree_flatten(model.parameters()))
         tokens = []

@@ -5,6 +5,7 @@ KV cache and a multimodal prompt; each process holds only its part of the weight
 
 import json
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -43,6 +44,15 @@ def checkpoints(tmp_path_factory):
     root = tmp_path_factory.mktemp("distributed")
     paths = {name: save_checkpoint(build_hf_model(name), root / name) for name in ("e2b", "moe26b", "dense31b")}
     paths["e2b_mm"] = save_checkpoint(build_hf_model("e2b", vision_config=SMALL_VIT, audio_config=AUDIO), root / "e2b_mm")
+    # Six heads split three ways (the published variants' 8/16/32 split 2 or 4 ways); MLP and experts
+    # of 64 and 32 hidden units do not split evenly.
+    paths["e2b_6h"] = save_checkpoint(build_hf_model("e2b", num_attention_heads=6), root / "e2b_6h")
+    paths["moe26b_6h"] = save_checkpoint(build_hf_model("moe26b", num_attention_heads=6, num_key_value_heads=3), root / "moe26b_6h")
+    from convert import convert
+
+    # float32 activations: in bf16 the parts of a split matmul round before they are summed (see README)
+    paths["dense31b_4bit"] = convert(str(paths["dense31b"]), root / "dense31b_4bit", dtype="float32", quantize=True, q_group_size=32,
+                                     progress=lambda _: None)  # fmt: skip
     return paths
 
 
@@ -60,16 +70,23 @@ def media(tmp_path_factory):
 
 
 PROMPT = [2] + list(range(10, 70))  # longer than the windows (8, 16): the rings wrap
-# (model, processes, split, prompt, options); one launch per process count runs them all.
+# (model, processes, parallel, split, prompt, options); one launch per process count runs them all.
 CASES = [
-    ("e2b", 2, "6,4", PROMPT, {}),  # the KV-shared layers' two sources cross the split
-    ("e2b", 2, "5,5", PROMPT, {"prefill_step_size": 7}),  # one source crosses; chunked prefill
-    ("moe26b", 2, None, PROMPT, {}),  # split by memory (even here)
-    ("e2b_mm", 2, "5,5", "media", {"max_soft_tokens": 70}),  # the first process encodes
-    ("e2b", 3, "5,1,4", PROMPT, {}),  # layer 4's K/V pass through the middle process
-    ("dense31b", 3, "3,3,2", PROMPT, {"kv_bits": 8, "kv_group_size": 32}),
+    ("e2b", 2, "pipeline", "6,4", PROMPT, {}),  # the KV-shared layers' two sources cross the split
+    ("e2b", 2, "pipeline", "5,5", PROMPT, {"prefill_step_size": 7}),  # one source crosses; chunked prefill
+    ("moe26b", 2, "pipeline", None, PROMPT, {}),  # split by memory (even here)
+    ("e2b_mm", 2, "pipeline", "5,5", "media", {"max_soft_tokens": 70}),  # the first process encodes
+    ("e2b", 2, "tensor", None, PROMPT, {}),  # one K/V head: every process computes it
+    ("moe26b", 2, "tensor", None, PROMPT, {"prefill_step_size": 16}),  # experts split; K/V heads split
+    ("dense31b", 2, "tensor", None, PROMPT, {"kv_bits": 8, "kv_group_size": 32}),
+    ("dense31b_4bit", 2, "tensor", None, PROMPT, {}),  # quantized rows and columns
+    ("e2b_mm", 2, "tensor", None, "media", {"max_soft_tokens": 70}),
+    ("e2b", 3, "pipeline", "5,1,4", PROMPT, {}),  # layer 4's K/V pass through the middle process
+    ("dense31b", 3, "pipeline", "3,3,2", PROMPT, {"kv_bits": 8, "kv_group_size": 32}),
+    ("e2b_6h", 3, "tensor", None, PROMPT, {}),  # KV-shared layers; 96 and 192 hidden units
+    ("moe26b_6h", 3, "tensor", None, PROMPT, {"prefill_step_size": 16}),  # 64 and 32 hidden units: uneven
 ]
-IDS = [f"{c[0]}-{c[1]}x-{c[2] or 'memory'}" for c in CASES]
+IDS = [f"{c[0]}-{c[1]}x-{c[2]}-{c[3] or 'auto'}" for c in CASES]
 
 
 @pytest.fixture(scope="module")
@@ -78,8 +95,8 @@ def runs(checkpoints, media):
     results = {}
     for n in (2, 3):
         cases = [(i, c) for i, c in zip(IDS, CASES) if c[1] == n]
-        requests = [{"model": str(checkpoints[m]), "split": split, "prompt": media if p == "media" else p,
-                     "options": {"max_tokens": 16, **o}} for _, (m, _, split, p, o) in cases]  # fmt: skip
+        requests = [{"model": str(checkpoints[m]), "parallel": parallel, "split": split, "prompt": media if p == "media" else p,
+                     "options": {"max_tokens": 16, **o}} for _, (m, _, parallel, split, p, o) in cases]  # fmt: skip
         results.update(zip([i for i, _ in cases], launch(n, requests)))
     return results
 
@@ -126,7 +143,7 @@ def test_kv_shared_layers_get_their_sources_kv_across_a_split(checkpoints):
 
 @pytest.mark.parametrize("case", IDS)
 def test_pipeline_gives_the_tokens_of_one_process(checkpoints, media, runs, case):
-    model, n, split, prompt, options = CASES[IDS.index(case)]
+    model, n, parallel, split, prompt, options = CASES[IDS.index(case)]
     expected = single_process(checkpoints[model], media if prompt == "media" else prompt, {"max_tokens": 16, **options})
     assert expected
     for line in runs[case]:
@@ -144,10 +161,45 @@ def test_each_process_holds_only_its_part_of_the_weights(checkpoints, runs):
     total = sum(sizes.values())
     later = sum(v for k, v in sizes.items() if any(k.startswith(f"language_model.layers.{i}.") for i in range(6, 10)))
     shared = sizes["language_model.embed_tokens.weight"] + sizes["language_model.norm.weight"]
-    lines = runs["e2b-2x-6,4"]
+    lines = runs["e2b-2x-pipeline-6,4"]
     assert [l["weights"] for l in lines] == [total - later, later + shared]
     for line in lines:
         assert line["weights"] <= line["active"] <= 1.05 * line["weights"] + 256 * 1024, line
+
+
+def test_tensor_parallelism_splits_every_layer(checkpoints, runs):
+    """Each process holds half of every layer's projections (K/V too where the heads divide) and
+    the whole of the rest; a split that does not divide is refused."""
+    from mlx.utils import tree_flatten
+
+    from gemma4_mlx.distributed.tensor import check_divisible
+
+    model, _ = gemma4_mlx.load(checkpoints["dense31b"], merge_projections=False)
+    sizes = {k: v.nbytes for k, v in tree_flatten(model.parameters())}
+
+    def halved(name: str) -> bool:  # the full layers' single K/V head stays whole
+        if not name.startswith("language_model.layers.") or not name.endswith("proj.weight"):
+            return False
+        spec = model.text_config.layers[int(name.split(".")[2])]
+        return not re.search(r"\.(k|v)_proj\.", name) or spec.num_kv_heads % 2 == 0
+
+    expected = sum(v // 2 if halved(k) else v for k, v in sizes.items())
+    lines = runs["dense31b-2x-tensor-auto"]
+    assert lines[0]["weights"] == lines[1]["weights"] == expected < sum(sizes.values())
+    with pytest.raises(OptionError, match="cannot split 2 K/V heads or 4 attention heads 3 ways"):
+        check_divisible(model.text_config, 3)
+    for line in lines:
+        assert line["weights"] <= line["active"] <= 1.05 * line["weights"] + 256 * 1024, line
+
+
+def test_hidden_units_split_at_quantization_groups():
+    from gemma4_mlx.distributed.tensor import split_points
+
+    assert split_points(704, 2, 64) == [0, 384, 704]  # the 26B's experts: 11 groups of 64
+    assert split_points(64, 3) == [0, 22, 43, 64]
+    assert split_points(21504, 4, 64) == [0, 5376, 10752, 16128, 21504]
+    with pytest.raises(OptionError, match="cannot split 32 hidden units 2 ways in groups of 32"):
+        split_points(32, 2, 32)
 
 
 def test_sharded_generation_from_the_command_line(checkpoints):

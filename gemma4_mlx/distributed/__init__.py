@@ -15,9 +15,10 @@ import mlx.core as mx
 from ..config import ModelConfig
 from ..errors import OptionError
 from .pipeline import PipelineStage, parse_split, split_layers
+from .tensor import check_divisible, shard_layers
 from .watchdog import TIMEOUT_VARIABLE, Watchdog, connecting, default_timeout
 
-PARALLEL_MODES = ("pipeline",)
+PARALLEL_MODES = ("pipeline", "tensor")
 
 
 def world() -> mx.distributed.Group | None:
@@ -86,8 +87,9 @@ def load_sharded(
 ):
     """``model, processor`` for this process's part of a model shared by ``group`` (default: the
     group ``mlx.launch`` started). ``parallel="pipeline"`` gives each process a run of layers (see
-    :func:`plan_pipeline` for ``split``); only that part's weights are read. Every process must call
-    this, and then run the same generation calls."""
+    :func:`plan_pipeline` for ``split``); only that part's weights are read. ``parallel="tensor"``
+    splits every layer among the processes (:mod:`.tensor`). Every process must call this, and then
+    run the same generation calls."""
     from ..loading import load_config, load_model, resolve_model_path
     from ..processing.processor import Processor
 
@@ -99,14 +101,22 @@ def load_sharded(
     model_path = resolve_model_path(path_or_repo_id, revision=revision, weights=None if local else [])
     config = load_config(model_path)
     watchdog = Watchdog(group.rank(), group.size())
-    watchdog.expect("planning the split", watchdog.timeout)
-    stage = plan_pipeline(config, group, split)
-    stage.watchdog = watchdog
-    watchdog.idle()
-    if not local:
-        model_path = resolve_model_path(path_or_repo_id, revision=revision, weights=own_shards(model_path, stage))
-    model = load_model(model_path, dtype=dtype, lazy_ple=lazy_ple, stage=stage)
-    stage.dtype = model.language_model.norm.weight.dtype  # the activations' type, sent between processes
+    if parallel == "tensor":
+        if split is not None:
+            raise OptionError("--split sets the layers of a pipeline; tensor parallelism splits every layer")
+        check_divisible(config.text_config, group.size())
+        if not local:
+            model_path = resolve_model_path(path_or_repo_id, revision=revision)
+        model = load_model(model_path, dtype=dtype, lazy_ple=lazy_ple, shard=lambda m: shard_layers(m, group))
+    else:
+        watchdog.expect("planning the split", watchdog.timeout)
+        stage = plan_pipeline(config, group, split)
+        watchdog.idle()
+        if not local:
+            model_path = resolve_model_path(path_or_repo_id, revision=revision, weights=own_shards(model_path, stage))
+        model = load_model(model_path, dtype=dtype, lazy_ple=lazy_ple, stage=stage)
+        stage.dtype = model.language_model.norm.weight.dtype  # the activations' type, sent between processes
+    model.language_model.watchdog = watchdog
     # Every process has its part in memory before any runs (a slow reader would look like a dead
     # peer). The others may still be downloading their shards: a far longer limit, an hour at least.
     watchdog.expect("waiting for the others to load their weights", max(10 * watchdog.timeout, 3600))

@@ -90,7 +90,6 @@ class PipelineStage:
     config: TextConfig
     counts: list[int]
     dtype: mx.Dtype = mx.float32  # the activations' type on the wire (set from the weights when loaded)
-    watchdog: object = None  # a .watchdog.Watchdog: each forward pass is watched until its token is out
     bounds: list[tuple[int, int]] = field(init=False)
 
     def __post_init__(self):
@@ -171,17 +170,6 @@ class PipelineStage:
         if name.startswith(FIRST_RANK_ONLY):
             return self.is_first
         return True
-
-    def begin(self) -> None:
-        """A forward pass starts: from here until its token is out (:meth:`idle`) this process may
-        wait on the others (even before it sends: the E2B/E4B mapped table reads the last token)."""
-        if self.watchdog is not None:
-            self.watchdog.expect("a forward pass")
-
-    def idle(self) -> None:
-        """The last forward pass is done (its token is out): nothing is waited for until the next."""
-        if self.watchdog is not None:
-            self.watchdog.idle()
 
     def advance_passed(self, cache: list | None, length: int) -> None:
         """Count ``length`` tokens in the caches of the layers other ranks run."""

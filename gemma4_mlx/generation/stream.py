@@ -128,8 +128,8 @@ def _stream_chunks(model, ids, cache, request, opts, drafter, num_draft_tokens, 
                 finish = "length"
         if finish:
             detokenizer.finalize()
-        if getattr(model, "stage", None) is not None:  # pipeline: this token's pass is done; the caller may take its time
-            model.stage.idle()
+        if getattr(model, "watchdog", None) is not None:  # several processes: this token's pass is done
+            model.watchdog.idle()  # and the caller may take its time
         yield GenerationChunk(
             text=detokenizer.last_segment,
             token=tok,

@@ -37,7 +37,7 @@ def load_config(model_path: Path) -> ModelConfig:
 
 def load_model(
     model_path: str | Path, dtype: str | None = None, lazy: bool = False, lazy_ple: bool = True, merge_projections: bool = True,
-    stage=None,
+    stage=None, shard=None,
 ) -> Gemma4Model:
     """Build the model from a local checkpoint folder and load its weights.
 
@@ -49,7 +49,8 @@ def load_model(
     runs each layer's q/k/v and gate/up as one matmul (:meth:`Gemma4Model.merge_projections`);
     pass False to get the checkpoint's parameter names back (to save or modify weights).
     ``stage`` (a :class:`~gemma4_mlx.distributed.pipeline.PipelineStage`) keeps only this process's
-    part of a pipeline, and reads only its weights.
+    part of a pipeline, and reads only its weights; ``shard(model)``, called once the weights are in
+    and before projections merge, splits the layers (tensor parallelism).
     """
     model_path = Path(model_path).expanduser().absolute()
     if not model_path.is_dir():
@@ -76,6 +77,8 @@ def load_model(
         quantize_like_checkpoint(model, config.quantization, weights)
     check_weights(model, weights, model_path)
     model.load_weights(list(weights.items()), strict=True)
+    if shard is not None:
+        shard(model)
     adapt_to_device(model)
     if merge_projections:
         model.merge_projections()

@@ -68,6 +68,11 @@ class Gemma4Model(nn.Module):
         """This process's part of a pipeline (:mod:`gemma4_mlx.distributed.pipeline`), or None."""
         return self.language_model.stage
 
+    @property
+    def watchdog(self):
+        """Under several processes, what stops this one when a forward pass waits too long, or None."""
+        return self.language_model.watchdog
+
     def use_pipeline(self, stage) -> None:
         """Keep only this process's part: its decoder layers, and on the first process the media
         encoders (the others receive the residual stream). Call before loading weights."""

@@ -53,6 +53,7 @@ class Attention(nn.Module):
         super().__init__()
         self.spec = spec
         self.n_heads = cfg.num_attention_heads
+        self.n_kv_heads = spec.num_kv_heads  # both divided among processes under tensor parallelism
         self.head_dim = spec.head_dim
         self.eps = cfg.rms_norm_eps
         bias = cfg.attention_bias
@@ -78,7 +79,7 @@ class Attention(nn.Module):
             return
         D = self.head_dim
         q_weight = mx.broadcast_to(self.q_norm.weight, (self.n_heads, D))
-        k_weight = mx.broadcast_to(self.k_norm.weight, (self.spec.num_kv_heads, D))
+        k_weight = mx.broadcast_to(self.k_norm.weight, (self.n_kv_heads, D))
         self._qk_norm_weight = mx.concatenate([q_weight, k_weight]).astype(self.q_norm.weight.dtype)
         self.qkv_proj = merging.merge(parts)
         for name in ("q_proj", "k_proj", "v_proj"):
@@ -104,7 +105,7 @@ class Attention(nn.Module):
     def _project_merged(self, x, offset):
         """:meth:`project` after :meth:`merge_projections`: heads [q | k | v] from one matmul."""
         B, L, _ = x.shape
-        Hq, Hkv = self.n_heads, self.spec.num_kv_heads
+        Hq, Hkv = self.n_heads, self.n_kv_heads
         normed = ops.rms_norm(self.qkv_proj(x).reshape(B, L, -1, self.head_dim), None, self.eps)
         scaled = (normed[:, :, : Hq + Hkv] * self._qk_norm_weight).transpose(0, 2, 1, 3)
         # K=V layers: V is k_proj's output normed without a scale, which is the k heads of `normed`.
@@ -136,6 +137,7 @@ class MLP(nn.Module):
         self.gate_proj = nn.Linear(hidden_size, intermediate_size, bias=False)
         self.up_proj = nn.Linear(hidden_size, intermediate_size, bias=False)
         self.down_proj = nn.Linear(intermediate_size, hidden_size, bias=False)
+        self.group = None  # tensor parallelism: each process holds a slice of the hidden units; summed here
 
     def merge_projections(self) -> None:
         """gate and up as one matmul (see :mod:`.merging`)."""
@@ -146,8 +148,10 @@ class MLP(nn.Module):
     def __call__(self, x):
         if "gate_up_proj" in self:
             gate, up = mx.split(self.gate_up_proj(x), 2, axis=-1)
-            return self.down_proj(ops.geglu(gate, up))
-        return self.down_proj(ops.geglu(self.gate_proj(x), self.up_proj(x)))
+        else:
+            gate, up = self.gate_proj(x), self.up_proj(x)
+        out = self.down_proj(ops.geglu(gate, up))
+        return out if self.group is None else mx.distributed.all_sum(out, group=self.group)
 
 
 class Router(nn.Module):
@@ -192,6 +196,7 @@ class Experts(nn.Module):
         super().__init__()
         self.switch_glu = SwitchGLU(cfg.hidden_size, cfg.moe_intermediate_size, cfg.num_experts, activation=GeGLU())
         self.top_k = cfg.top_k_experts
+        self.group = None  # tensor parallelism: each process holds a slice of every expert; summed here
 
     def merge_projections(self) -> None:
         """The experts' gate and up as one gather matmul (see :class:`MergedSwitchGLU`)."""
@@ -200,7 +205,8 @@ class Experts(nn.Module):
             self.switch_glu = MergedSwitchGLU(merging.merge([glu.gate_proj, glu.up_proj]), glu.down_proj, self.top_k)
 
     def __call__(self, x, idx, weights):
-        return ops.moe_experts(x, idx, weights, self.switch_glu)
+        out = ops.moe_experts(x, idx, weights, self.switch_glu)
+        return out if self.group is None else mx.distributed.all_sum(out, group=self.group)
 
 
 _ZERO = mx.array(0, dtype=mx.uint32)  # broadcast, a view (mx.zeros is a kernel of its own)
@@ -333,6 +339,8 @@ class TextModel(nn.Module):
         self.blocks_in_every_layer = False
         # Pipeline parallelism (gemma4_mlx.distributed.pipeline): this process's part, or None.
         self.stage = None
+        # Several processes (gemma4_mlx.distributed.watchdog): stops this one if a pass waits too long.
+        self.watchdog = None
 
     def use_pipeline(self, stage) -> None:
         """Run only layers ``[stage.start, stage.end)`` (the others are dropped, their weights never
@@ -471,8 +479,8 @@ class TextModel(nn.Module):
         stage = self.stage
         received: dict = {}  # pipeline: new K/V of source layers run by an earlier process
         per_layer_base = 0  # the layer index of per_layer[:, :, 0]
-        if stage is not None:
-            stage.begin()
+        if self.watchdog is not None:  # several processes: this pass may wait on the others
+            self.watchdog.expect("a forward pass")
         if stage is not None and not stage.is_first:
             shape = (input_ids if input_ids is not None else inputs_embeds).shape
             h, per_layer, received = stage.receive(shape[0], shape[1])

@@ -1,0 +1,117 @@
+"""Tensor parallelism: every decoder layer split across the processes of an ``mx.distributed``
+group, as mlx-lm shards the models it supports.
+
+Per layer:
+
+* attention: the query heads, and the K/V heads where their count divides (else one K/V head, as in
+  E2B/E4B and the 12B's full layers, which every process computes), are split among the processes
+  with MLX's ``shard_inplace`` (``all-to-sharded``: no communication); the output projection is
+  MLX's ``shard_linear(..., "sharded-to-all")``, which sums the parts (one ``all_sum``);
+* the dense MLP and each MoE expert: their hidden units split (gate and up rows, down columns) and
+  the output summed (one ``all_sum`` each). Split by hand (:func:`split_glu`), because MLX's helpers
+  split only into equal parts and a quantized down projection can only be cut at its quantization
+  groups: the 26B's 704-wide experts (11 groups of 64) and 2112-wide MLP (33 groups) do not halve.
+
+Embeddings, norms, the router, the per-layer inputs and the media encoders are not split (every
+process computes them). Two ``all_sum`` per layer (three with MoE) each forward pass: worth it over a
+fast link (JACCL's RDMA over Thunderbolt 5); over TCP, pipeline parallelism moves far less.
+"""
+
+from __future__ import annotations
+
+import mlx.core as mx
+from mlx.nn.layers.distributed import shard_inplace, shard_linear
+
+from ..errors import OptionError
+
+
+def check_divisible(text, size: int) -> None:
+    """Raise :class:`OptionError` when the model's attention heads do not split ``size`` ways."""
+    problems = []
+    if text.num_attention_heads % size:
+        problems.append(f"{text.num_attention_heads} attention heads")
+    for spec in text.layers:
+        if not spec.is_kv_shared and spec.num_kv_heads % size and spec.num_kv_heads != 1:
+            problems.append(f"{spec.num_kv_heads} K/V heads")
+    if problems:
+        raise OptionError(
+            f"tensor parallelism cannot split {' or '.join(sorted(set(problems)))} {size} ways: "
+            f"use a number of processes dividing them, or --parallel pipeline"
+        )
+
+
+def split_points(total: int, size: int, align: int = 1) -> list[int]:
+    """``size + 1`` bounds cutting ``total`` units into ``size`` runs as even as possible, each a
+    whole number of ``align``-unit groups (the first runs get one group more)."""
+    groups, rest = divmod(total, align)
+    if rest or groups < size:
+        raise OptionError(f"cannot split {total} hidden units {size} ways in groups of {align}")
+    base, extra = divmod(groups, size)
+    bounds = [0]
+    for r in range(size):
+        bounds.append(bounds[-1] + (base + (r < extra)) * align)
+    return bounds
+
+
+def _slice(array: mx.array, axis: int, start: int, stop: int) -> mx.array:
+    index = [slice(None)] * array.ndim
+    index[axis] = slice(start, stop)
+    return mx.contiguous(array[tuple(index)])  # a copy: the whole array can be freed
+
+
+def _rows(linear, start: int, stop: int) -> None:
+    """Keep output rows ``[start, stop)`` of a (quantized, per-expert) linear, in place."""
+    for key in ("weight", "scales", "biases"):
+        if key in linear:
+            linear[key] = _slice(linear[key], -2, start, stop)
+    if "bias" in linear:
+        linear["bias"] = _slice(linear["bias"], -1, start, stop)
+
+
+def _columns(linear, start: int, stop: int) -> None:
+    """Keep input columns ``[start, stop)`` of a (quantized, per-expert) linear, in place; a
+    quantized one's bounds are multiples of its group size."""
+    if "scales" in linear:
+        gs = linear.group_size
+        inputs = linear["scales"].shape[-1] * gs
+        packed = linear["weight"].shape[-1] * start // inputs, linear["weight"].shape[-1] * stop // inputs
+        linear["weight"] = _slice(linear["weight"], -1, *packed)
+        for key in ("scales", "biases"):
+            if key in linear:
+                linear[key] = _slice(linear[key], -1, start // gs, stop // gs)
+    else:
+        linear["weight"] = _slice(linear["weight"], -1, start, stop)
+
+
+def split_glu(gate, up, down, group: mx.distributed.Group) -> None:
+    """Keep this process's share of a GLU's hidden units (an MLP's or every expert's), in place:
+    gate and up rows, down columns, cut at down's quantization groups. The caller sums the outputs."""
+    hidden = down["scales"].shape[-1] * down.group_size if "scales" in down else down["weight"].shape[-1]
+    bounds = split_points(hidden, group.size(), down.group_size if "scales" in down else 1)
+    start, stop = bounds[group.rank()], bounds[group.rank() + 1]
+    _rows(gate, start, stop)
+    _rows(up, start, stop)
+    _columns(down, start, stop)
+
+
+def shard_layers(model, group: mx.distributed.Group) -> None:
+    """Split every decoder layer of a loaded (unmerged) model among ``group``'s processes, in place."""
+    size = group.size()
+    check_divisible(model.text_config, size)
+    for layer in model.layers:
+        attn, spec = layer.self_attn, layer.spec
+        shard_inplace(attn.q_proj, "all-to-sharded", group=group)
+        attn.n_heads //= size
+        if not spec.is_kv_shared and spec.num_kv_heads % size == 0:
+            shard_inplace(attn.k_proj, "all-to-sharded", group=group)
+            if "v_proj" in attn:  # K=V layers have none
+                shard_inplace(attn.v_proj, "all-to-sharded", group=group)
+            attn.n_kv_heads //= size
+        attn.o_proj = shard_linear(attn.o_proj, "sharded-to-all", group=group)
+        mlp = layer.mlp
+        split_glu(mlp.gate_proj, mlp.up_proj, mlp.down_proj, group)
+        mlp.group = group
+        if layer.has_moe:
+            glu = layer.experts.switch_glu
+            split_glu(glu.gate_proj, glu.up_proj, glu.down_proj, group)
+            layer.experts.group = group
