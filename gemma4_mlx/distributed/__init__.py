@@ -117,6 +117,7 @@ def load_sharded(
         model = load_model(model_path, dtype=dtype, lazy_ple=lazy_ple, stage=stage)
         stage.dtype = model.language_model.norm.weight.dtype  # the activations' type, sent between processes
     model.language_model.watchdog = watchdog
+    model.language_model.group = group  # a ChatEngine on it leads (process 0) or follows (see lockstep.py)
     # Every process has its part in memory before any runs (a slow reader would look like a dead
     # peer). The others may still be downloading their shards: a far longer limit, an hour at least.
     watchdog.expect("waiting for the others to load their weights", max(10 * watchdog.timeout, 3600))

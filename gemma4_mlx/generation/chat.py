@@ -15,10 +15,13 @@ from __future__ import annotations
 
 import atexit
 import copy
+import dataclasses
 import queue
+import sys
 import threading
 import weakref
 from collections import OrderedDict
+from contextlib import ExitStack
 from dataclasses import dataclass, field
 from typing import Any, Iterator
 
@@ -34,6 +37,7 @@ from .speculative import DEFAULT_DRAFT_TOKENS, SpeculativeStats, load_checked_dr
 from .options import GenerationOptions
 from .pipeline import Timing, prepare_request
 from .prompt_cache import PromptCache, PromptCachePool
+from ..distributed.lockstep import AgreedStop, Lockstep, fresh_seed, pack_request, unpack_request
 from .reply import Reply, ReplySplitter
 
 
@@ -106,8 +110,16 @@ class ChatEngine:
         self.num_draft_tokens = num_draft_tokens
         if self.drafter is not None:
             self.drafter.materialize()  # used from the engine's thread too
+        # A model shared by several processes (gemma4_mlx.distributed): process 0 leads, the others
+        # follow (see lockstep.py); their caches drop what the fullest process must drop.
+        self.lockstep = _lockstep(model)
+        if self.lockstep is not None and self.lockstep.most(int(self.drafter is None)) and self.drafter is not None:
+            print("Not drafting: another process of the sharded model has no drafter", file=sys.stderr, flush=True)
+            self.drafter = None  # all draft or none: the processes run the same forward passes
         turn_start = processor.tokenizer.convert_tokens_to_ids("<|turn>")
         self.caches = PromptCachePool(model, max_caches, max_snapshots, 1 if self.drafter is not None else 0, cache_memory, turn_start)
+        if self.lockstep is not None:
+            self.caches.agree = self.lockstep.most
         # Recent replies' text -> the token ids generated for it. When a conversation comes back with
         # one of them, it is rendered with these ids rather than its re-tokenized text, so the prompt
         # continues exactly what the cache holds (re-tokenizing generated text often gives other ids).
@@ -120,8 +132,10 @@ class ChatEngine:
         self._worker: threading.Thread | None = None
         self._running: set[threading.Event] = set()  # stop events of the replies being generated
         # The thread holds only the queue, so an engine nobody uses is freed, and its thread ends.
-        weakref.finalize(self, self._jobs.put, None)
+        weakref.finalize(self, _finish, self._jobs, self.lockstep)
         _ENGINES.add(self)
+        if self.lockstep is not None and self.lockstep.leads:
+            self._start_worker()  # its heartbeats keep the followers waiting for the first request
 
     def stream(self, messages: list[dict[str, Any]], **options) -> Iterator[ChatChunk]:
         """Stream the model's reply to ``messages`` (HF-style chat messages; content lists may hold
@@ -130,11 +144,15 @@ class ChatEngine:
         after the current token."""
         opts = ReplyOptions(**options)
         opts.stop_event = stop = opts.stop_event or threading.Event()
+        if self.lockstep is not None and not self.lockstep.leads:
+            raise OptionError(f"process {self.lockstep.rank} of a sharded model follows process 0: call follow(), not stream()")
+        if self.lockstep is not None and self.lockstep.closed:
+            raise OptionError("this engine was closed, and with it the other processes of the sharded model")
         out: queue.Queue = queue.Queue()
 
         def job():
             try:
-                for chunk in self._stream(messages, opts):
+                for chunk in self._lead(messages, opts) if self.lockstep is not None else self._stream(messages, opts):
                     out.put(chunk)
             except BaseException as e:  # handed to the caller's thread
                 out.put(_Failure(e))
@@ -174,10 +192,17 @@ class ChatEngine:
         """The KV cache of the latest reply (see ``max_caches``)."""
         return self.caches.latest
 
-    def _submit(self, job) -> None:
+    def _start_worker(self) -> None:
         if self._worker is None or not self._worker.is_alive():
-            self._worker = threading.Thread(target=_work, args=(self._jobs,), name="gemma4-chat-engine", daemon=True)
+            heartbeat = None
+            if self.lockstep is not None:  # while idle, tell the followers process 0 is alive
+                lockstep = self.lockstep
+                heartbeat = (lambda: lockstep.share({"kind": "heartbeat"}), lockstep.heartbeat_interval)
+            self._worker = threading.Thread(target=_work, args=(self._jobs, heartbeat), name="gemma4-chat-engine", daemon=True)
             self._worker.start()
+
+    def _submit(self, job) -> None:
+        self._start_worker()
         self._jobs.put(job)
 
     def close(self, timeout: float = 60.0) -> None:
@@ -188,13 +213,86 @@ class ChatEngine:
             stop.set()
         worker = self._worker
         if worker is not None and worker.is_alive() and worker is not threading.current_thread():
+            if self.lockstep is not None and not self.lockstep.closed:
+                self._jobs.put(_quit(self.lockstep))  # the followers return from follow()
             self._jobs.put(None)
             worker.join(timeout)
+
+    def follow(self) -> None:
+        """On a process other than 0 of a sharded model (:func:`gemma4_mlx.distributed.load_sharded`):
+        run process 0's requests, in its order, until its engine closes (its script or server ends).
+        Stops the process with a message if process 0 is gone for longer than the time limit."""
+        lockstep = self.lockstep
+        if lockstep is None or lockstep.leads:
+            raise OptionError("follow() is for the processes other than 0 of a model loaded with load_sharded")
+        # On a thread of its own, as process 0 runs requests on its engine's thread: the same code path.
+        failure: list[BaseException] = []
+
+        def run():
+            try:
+                self._follow()
+            except BaseException as e:
+                failure.append(e)
+
+        worker = threading.Thread(target=run, name="gemma4-chat-follower", daemon=True)
+        worker.start()
+        while worker.is_alive():
+            worker.join(1.0)  # in short waits: Ctrl-C still reaches the main thread
+        if failure:
+            raise failure[0]
+
+    def _follow(self) -> None:
+        lockstep = self.lockstep
+        while True:
+            message, blobs = lockstep.share()
+            if message["kind"] == "quit":
+                lockstep.closed = True
+                return
+            if message["kind"] != "reply":
+                continue  # a heartbeat
+            with ExitStack() as cleanup:
+                messages, options = unpack_request(message, blobs, cleanup)
+                o = ReplyOptions(**options, stop_event=AgreedStop(lockstep, None))
+                try:
+                    for _ in self._stream(messages, o):
+                        pass
+                except Exception as e:  # process 0 met the same error and reports it to its caller
+                    print(f"[rank {lockstep.rank}] request failed: {type(e).__name__}: {e}", file=sys.stderr, flush=True)
+            if self.model.watchdog is not None:
+                self.model.watchdog.idle()
+
+    def _lead(self, messages: list[dict[str, Any]], o: "ReplyOptions") -> Iterator[ChatChunk]:
+        """Process 0 of a sharded model: hand the request to the followers, then run it with them."""
+        lockstep = self.lockstep
+        if o.seed is None and o.temperature > 0:  # every process must draw the same samples
+            o = dataclasses.replace(o, seed=fresh_seed())
+        with ExitStack() as cleanup:
+            options = {f.name: getattr(o, f.name) for f in dataclasses.fields(o)}
+            message, blobs = pack_request(messages, options, cleanup)
+            lockstep.share(message, blobs)
+        try:
+            yield from self._stream(messages, dataclasses.replace(o, stop_event=AgreedStop(lockstep, o.stop_event)))
+        finally:
+            if self.model.watchdog is not None:
+                self.model.watchdog.idle()
+
+    def _agreed(self, fn):
+        """``fn()``, whose failure on any process of a sharded model fails it on all (before the
+        caches change: a request one process cannot take, none takes)."""
+        try:
+            result, problem = fn(), None
+        except Exception as e:
+            result, problem = None, e
+        if self.lockstep is not None and self.lockstep.most(int(problem is not None)) and problem is None:
+            raise OptionError("another process of the sharded model could not take this request (its output says why)")
+        if problem is not None:
+            raise problem
+        return result
 
     def _stream(self, messages: list[dict[str, Any]], o: "ReplyOptions") -> Iterator[ChatChunk]:
         timing = Timing(prefilled=0)
         template = {"tools": o.tools} if o.tools else {}
-        request = prepare_request(self.model, self.processor, messages, o, replies=self.replies, **template)
+        request = self._agreed(lambda: prepare_request(self.model, self.processor, messages, o, replies=self.replies, **template))
         ids = request.ids
         # Snapshot points: where the last user turn and the generation prompt begin. Regenerating
         # or editing the last message rewinds to one of them, and so does the next turn when the
@@ -202,7 +300,8 @@ class ChatEngine:
         turn_starts = [i for i, t in enumerate(ids) if t == self._turn_start_id]
         pc = self.caches.take(ids)
         quantization = (o.kv_bits, o.kv_group_size)
-        check_fits(self.model, len(ids) + request.max_tokens, pc.cache, o.prefill_step_size, *quantization)  # before the cache changes
+        # Before the cache changes (each process checks its own memory).
+        self._agreed(lambda: check_fits(self.model, len(ids) + request.max_tokens, pc.cache, o.prefill_step_size, *quantization))
         if not o.reuse or pc.kv_quantization != quantization:
             pc.reset(*quantization)  # a cache quantized otherwise cannot be continued
         try:
@@ -317,11 +416,45 @@ class ChatEngine:
         return {i} if isinstance(i, int) and i != tok.unk_token_id else set()
 
 
-def _work(jobs: queue.Queue) -> None:
-    """An engine's thread: run its jobs in order until it is closed (None)."""
-    while (job := jobs.get()) is not None:
+def _work(jobs: queue.Queue, heartbeat=None) -> None:
+    """An engine's thread: run its jobs in order until it is closed (None). ``heartbeat``, a
+    ``(function, seconds)`` pair, is called whenever that long passes without a job."""
+    while True:
+        try:
+            job = jobs.get(timeout=heartbeat[1]) if heartbeat else jobs.get()
+        except queue.Empty:
+            heartbeat[0]()
+            continue
+        if job is None:
+            return
         job()
         del job  # the finished job refers to its engine: let the engine go while this thread waits
+
+
+def _quit(lockstep) -> Any:
+    """A job telling the followers of a sharded model that process 0's engine is closing."""
+
+    def run():
+        if not lockstep.closed:
+            lockstep.closed = True
+            lockstep.share({"kind": "quit"})
+
+    return run
+
+
+def _finish(jobs: queue.Queue, lockstep) -> None:
+    """An engine was freed: its followers return, its thread ends."""
+    if lockstep is not None and lockstep.leads:
+        jobs.put(_quit(lockstep))
+    jobs.put(None)
+
+
+def _lockstep(model):
+    """The :class:`Lockstep` of a model loaded by ``load_sharded`` (None for one process)."""
+    group = getattr(model.language_model, "group", None)
+    if group is None:
+        return None
+    return Lockstep(group, model.watchdog)
 
 
 _ENGINES: "weakref.WeakSet[ChatEngine]" = weakref.WeakSet()
@@ -392,6 +525,10 @@ class Chat:
 
         model, processor = load(path_or_repo)
         return cls(model, processor, system=system, draft_model=draft_model, **options)
+
+    def follow(self) -> None:
+        """On processes other than 0 of a sharded model: run process 0's chat (see :meth:`ChatEngine.follow`)."""
+        self.engine.follow()
 
     def _conversation(self) -> list[dict[str, Any]]:
         return ([{"role": "system", "content": self.system}] if self.system else []) + self.messages

@@ -12,6 +12,8 @@ snapshot at or before the divergence point.
 
 from __future__ import annotations
 
+from typing import Callable
+
 import mlx.core as mx
 from mlx_lm.utils import common_prefix_len
 
@@ -137,6 +139,9 @@ class PromptCachePool:
         self.model, self.size, self.memory_limit, self.turn_start_id = model, size, memory_limit, turn_start_id
         self._new = lambda: PromptCache(model, max_snapshots, sliding_slack)
         self.caches: list[PromptCache] = [self._new()]  # least recently used first
+        # How many caches to drop, from the count this process wants (a sharded model's processes
+        # hold different parts of each cache but must keep the same ones: see ChatEngine).
+        self.agree: Callable[[int], int] = lambda count: count
 
     @property
     def latest(self) -> PromptCache:
@@ -166,10 +171,11 @@ class PromptCachePool:
 
     def fit(self) -> None:
         """Drop the least recently used caches while all of them hold more than ``memory_limit``."""
-        if self.memory_limit is None:
-            return
-        while len(self.caches) > 1 and sum(c.nbytes() for c in self.caches) > self.memory_limit:
-            self.caches.pop(0)
+        drop, total = 0, sum(c.nbytes() for c in self.caches) if self.memory_limit is not None else 0
+        while self.memory_limit is not None and len(self.caches) - drop > 1 and total > self.memory_limit:
+            total -= self.caches[drop].nbytes()
+            drop += 1
+        del self.caches[: min(self.agree(drop), len(self.caches) - 1)]
 
     def nbytes(self) -> int:
         return sum(c.nbytes() for c in self.caches)
