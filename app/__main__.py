@@ -14,6 +14,10 @@ import os
 import socket
 import sys
 
+from gemma4_mlx.distributed import PARALLEL_MODES, world
+from gemma4_mlx.distributed.watchdog import EXIT_CODE as EXIT_PEER_LOST
+from gemma4_mlx.errors import PeerLostError
+
 from .backend import CACHE_DIR, DEFAULT_MODEL, E2B_DOWNLOAD, ModelHolder
 
 EXIT_PORT_IN_USE = 2
@@ -71,6 +75,10 @@ def main(argv: list[str] | None = None) -> int:
     api.add_argument("--no-api", action="store_true", help="serve the page only")
     api.add_argument("--api-only", action="store_true", help="serve the API only, without the page")
     api.add_argument("--allow-fetch", action="store_true", help="let API requests name media by http(s) URL, which the server downloads")
+    several = p.add_argument_group("several Macs (under mlx.launch: process 0 serves, the others follow)")
+    several.add_argument("--parallel", choices=PARALLEL_MODES, default="pipeline",
+                         help="how the processes share the model (pipeline: a run of layers each; tensor: every layer split)")  # fmt: skip
+    several.add_argument("--split", default=None, help="pipeline: layers per process, e.g. 40,20 (default: by memory)")
     args = p.parse_args(argv)
     if args.no_api and args.api_only:
         p.error("--no-api and --api-only exclude each other")
@@ -79,6 +87,10 @@ def main(argv: list[str] | None = None) -> int:
     if args.host not in ("127.0.0.1", "localhost", "::1") and args.api_key is None and not args.no_api:
         print("python -m app: the API is reachable from the network with no key; consider --api-key", file=sys.stderr)
 
+    group = world()  # under mlx.launch with several processes: process 0 serves, the others follow
+    if group is not None and group.rank() != 0:
+        return follow(args, group)
+
     # Checked before anything starts: Gradio would only fail after the model began loading, with a
     # traceback. (Another program can still take the port in between; Gradio then reports it.)
     problem = port_problem(args.host, args.port)
@@ -86,13 +98,9 @@ def main(argv: list[str] | None = None) -> int:
         print(f"python -m app: {problem}", file=sys.stderr)
         return EXIT_PORT_IN_USE
 
-    bits = args.quantize
-    if bits is None and args.model is None and not args.no_quantize:
-        bits = 4
     from .api import make_router
 
-    draft = False if args.no_draft else (args.draft_model or True)
-    holder = ModelHolder(args.model, bits, demo=args.demo, dtype=args.dtype, draft=draft).start()
+    holder = model_holder(args, group).start()
     router = None if args.no_api else make_router(holder, args.api_key, args.allow_fetch)
     if args.api_only:
         return serve_api(router, holder, args.host, args.port)
@@ -104,6 +112,32 @@ def main(argv: list[str] | None = None) -> int:
         launch(app, api=router, server_name=args.host, server_port=args.port, share=args.share, inbrowser=not args.no_browser)
     finally:
         shutdown(app, holder)
+    return 0
+
+
+def model_holder(args, group) -> ModelHolder:
+    """The model as the command line asks for it (the default model is converted to 4-bit)."""
+    bits = args.quantize
+    if bits is None and args.model is None and not args.no_quantize:
+        bits = 4
+    draft = False if args.no_draft else (args.draft_model or True)
+    return ModelHolder(args.model, bits, demo=args.demo, dtype=args.dtype, draft=draft, group=group, parallel=args.parallel, split=args.split)
+
+
+def follow(args, group) -> int:
+    """A process other than 0 under ``mlx.launch``: load this process's part of the model as process
+    0 does, then run process 0's requests until it stops."""
+    holder = model_holder(args, group)
+    holder._load()
+    if holder.engine is None:
+        print(f"python -m app (process {group.rank()}): {holder.status}", file=sys.stderr)
+        return 1
+    print(f"python -m app (process {group.rank()}): {holder.status}; following process 0", file=sys.stderr, flush=True)
+    try:
+        holder.engine.follow()
+    except PeerLostError as e:
+        print(f"error: {e}. Stopping.", file=sys.stderr)
+        return EXIT_PEER_LOST
     return 0
 
 

@@ -50,10 +50,16 @@ class _Cancelled(Exception):
 class ModelHolder:
     """Loads the model once, in a background thread, and reports progress for the page."""
 
-    def __init__(self, model: str | None, quantize_bits: int | None, demo: bool = False, dtype: str | None = None, draft: str | bool = True):
+    def __init__(
+        self, model: str | None, quantize_bits: int | None, demo: bool = False, dtype: str | None = None, draft: str | bool = True,
+        group=None, parallel: str = "pipeline", split: str | None = None,
+    ):  # fmt: skip
         """``draft``: the drafter for speculative decoding, a folder or Hub id; True looks for the
         model's own assistant (``<repo>-assistant`` on the Hub, or a ``<folder>-assistant`` folder
-        beside a local model) and goes on without one if there is none; False: no drafter."""
+        beside a local model) and goes on without one if there is none; False: no drafter.
+        ``group`` (several processes under ``mlx.launch``): this process loads its part of the model
+        (``parallel``, ``split``: see :func:`gemma4_mlx.distributed.load_sharded`)."""
+        self.group, self.parallel, self.split = group, parallel, split
         self.source = model
         self.quantize_bits = quantize_bits
         self.demo = demo
@@ -103,7 +109,12 @@ class ModelHolder:
                 path = self._converted_path()
             self.status = f"Loading {self.name}…"
             tic = time.perf_counter()
-            model, processor = gemma4_mlx.load(path, dtype=self.dtype)
+            if self.group is not None:
+                from gemma4_mlx.distributed import load_sharded
+
+                model, processor = load_sharded(path, self.group, parallel=self.parallel, split=self.split, dtype=self.dtype)
+            else:
+                model, processor = gemma4_mlx.load(path, dtype=self.dtype)
             drafter, why_not = self._drafter(model)
             # The page's conversations and the API's clients share the engine: it keeps the KV
             # caches of several recent conversations, within a quarter of the device's memory.

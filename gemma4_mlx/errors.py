@@ -38,6 +38,10 @@ class DrafterMismatchError(ValueError):
     """A draft model (assistant) that was not made for the target model: widths, vocabulary or K/V shapes differ."""
 
 
+class PeerLostError(RuntimeError):
+    """Another process of a sharded model stopped or cannot be reached (gemma4_mlx.distributed)."""
+
+
 __all__ = [
     "UnsupportedModelError",
     "ConfigError",
@@ -47,4 +51,5 @@ __all__ = [
     "ContextLengthError",
     "OptionError",
     "DrafterMismatchError",
+    "PeerLostError",
 ]

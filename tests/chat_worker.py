@@ -1,10 +1,13 @@
 """One process of a sharded chat test (see test_distributed_chat.py), started by ``mlx.launch``:
 ``python chat_worker.py <model> <parallel> '<json script>'``. Process 0 runs the script's turns
 through :class:`gemma4_mlx.Chat` and prints one JSON line per turn (its reply, the tokens reused, the
-finish reason); the others follow (``chat.follow()``) and print their rank when process 0 is done."""
+finish reason); the others follow (``chat.follow()``) and print their caches when process 0 is done.
+A turn ``{"sleep": s}`` idles, ``{"die": true}`` ends process 0 abruptly."""
 
 import json
+import os
 import sys
+import time
 
 from gemma4_mlx import Chat
 from gemma4_mlx.distributed import load_sharded, world
@@ -20,6 +23,11 @@ def main() -> None:
         print(json.dumps({"rank": group.rank(), "caches": cached_ids(chat)}), flush=True)
         return
     for turn in script["turns"]:
+        if "sleep" in turn:  # idle: only heartbeats keep the others waiting
+            time.sleep(turn["sleep"])
+            continue
+        if turn.get("die"):
+            os._exit(3)
         options = dict(turn.get("options", {}))
         stop_after = options.pop("stop_after", None)
         chunk, count = None, 0

@@ -97,3 +97,91 @@ def test_a_sharded_chat_replies_as_one_process(folders, model, n, parallel, spli
     assert sorted(caches) == list(range(n)) and all(c == caches[0] for c in caches.values())
     if model == "e2b_mm":
         assert "request failed: MediaError" in done.stderr  # the followers' side of the failed request
+
+
+def test_followers_wait_through_idle_time_and_stop_when_process_0_dies(folders, tmp_path):
+    """Processes started by hand (no mlx.launch to stop the rest), a 4 s limit: process 0's heartbeats
+    keep its follower waiting through 6 s without requests; when process 0 dies, the follower says so
+    and stops."""
+    from test_distributed import free_ports
+
+    hostfile = tmp_path / "hosts.json"
+    hostfile.write_text(json.dumps([[f"127.0.0.1:{p}"] for p in free_ports(2)]))
+    s = {"turns": [{"text": "hello"}, {"sleep": 6}, {"text": "still there?"}, {"die": True}], "max_tokens": 4}
+    env = {**os.environ, "GEMMA4_MLX_DISTRIBUTED_TIMEOUT": "4", "MLX_HOSTFILE": str(hostfile)}
+    procs = [subprocess.Popen([sys.executable, str(WORKER), str(folders["moe26b"]), "pipeline", json.dumps(s)], env={**env, "MLX_RANK": str(r)},
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for r in range(2)]  # fmt: skip
+    began = time.monotonic()
+    (out0, err0), (out1, err1) = [p.communicate(timeout=120) for p in procs]
+    assert procs[0].returncode == 3, err0[-2000:]
+    assert len([l for l in out0.splitlines() if '"reply"' in l]) == 2  # both turns, across the idle time
+    # Here the ring backend sees the socket close (a machine that vanishes is caught by the time limit).
+    assert procs[1].returncode != 0 and "PeerLostError: process 1 of 2: another process stopped or cannot be reached" in err1, err1[-2000:]
+    assert time.monotonic() - began < 60
+
+
+def test_a_follower_whose_leader_freezes_stops_within_the_limit(folders, tmp_path):
+    """Process 0 frozen (SIGSTOP: its sockets stay open, as with a Mac asleep or a cable pulled):
+    no heartbeat comes, and its follower stops with a message after the 4 s limit."""
+    from test_distributed import free_ports
+
+    hostfile = tmp_path / "hosts.json"
+    hostfile.write_text(json.dumps([[f"127.0.0.1:{p}"] for p in free_ports(2)]))
+    s = {"turns": [{"text": "hello"}, {"sleep": 60}], "max_tokens": 4}
+    env = {**os.environ, "GEMMA4_MLX_DISTRIBUTED_TIMEOUT": "4", "MLX_HOSTFILE": str(hostfile)}
+    procs = [subprocess.Popen([sys.executable, str(WORKER), str(folders["moe26b"]), "pipeline", json.dumps(s)], env={**env, "MLX_RANK": str(r)},
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for r in range(2)]  # fmt: skip
+    try:
+        assert '"reply"' in procs[0].stdout.readline()  # the first turn is done: process 0 now idles
+        procs[0].send_signal(signal.SIGSTOP)
+        frozen = time.monotonic()
+        _, err = procs[1].communicate(timeout=60)
+        assert procs[1].returncode == 75, err[-2000:]
+        assert "error: process 1 of 2: waiting for process 0 got no answer from the other processes in 4 s" in err
+        assert time.monotonic() - frozen < 15
+    finally:
+        procs[0].kill()
+        procs[0].communicate()
+
+
+def test_the_app_under_mlx_launch_serves_from_process_0(folders):
+    """``mlx.launch -n 2 python -m app --api-only --parallel tensor``: process 0 serves the API, the
+    other follows; a reply (plain and streamed) equals one process's; stopping the launch stops both."""
+    import urllib.error
+    import urllib.request
+
+    from test_distributed import free_ports
+
+    port = free_ports(1)[0]
+    args = ["-m", "app", "--model", str(folders["moe26b"]), "--api-only", "--port", str(port), "--parallel", "tensor", "--no-draft"]
+    launch = subprocess.Popen([str(LAUNCH), "-n", "2", "--backend", "ring", sys.executable, *args], stdout=subprocess.PIPE,
+                              stderr=subprocess.PIPE, text=True, start_new_session=True)  # fmt: skip
+    body = {"model": "m", "messages": [{"role": "user", "content": "hello"}], "max_tokens": 8, "temperature": 0}
+
+    def post(payload: dict) -> tuple[int, str]:
+        request = urllib.request.Request(f"http://127.0.0.1:{port}/v1/chat/completions", json.dumps(payload).encode(),
+                                         {"Content-Type": "application/json"})  # fmt: skip
+        try:
+            with urllib.request.urlopen(request, timeout=60) as response:
+                return response.status, response.read().decode()
+        except urllib.error.HTTPError as e:
+            return e.code, e.read().decode()
+        except OSError:
+            return 0, ""  # not listening yet
+
+    try:
+        deadline = time.monotonic() + 120
+        while (reply := post(body))[0] != 200:
+            assert time.monotonic() < deadline and launch.poll() is None, reply
+            time.sleep(0.5)
+        model, processor = load(folders["moe26b"])
+        expected = Chat(model, processor).ask("hello", max_tokens=8)
+        assert json.loads(reply[1])["choices"][0]["message"]["content"] == expected and expected
+        status, events = post({**body, "stream": True})
+        deltas = [json.loads(l[6:])["choices"][0]["delta"].get("content", "") for l in events.splitlines()
+                  if l.startswith("data: {") and json.loads(l[6:])["choices"]]  # fmt: skip
+        assert status == 200 and "".join(deltas) == expected
+    finally:
+        os.killpg(launch.pid, signal.SIGTERM)
+        _, err = launch.communicate(timeout=30)
+    assert "python -m app (process 1): Ready" in err and "following process 0" in err

@@ -29,7 +29,7 @@ from pathlib import Path
 import mlx.core as mx
 import numpy as np
 
-from ..errors import OptionError
+from ..errors import OptionError, PeerLostError
 
 MEDIA_KINDS = ("image", "audio", "video")
 
@@ -59,7 +59,10 @@ class Lockstep:
         from ..generation.decode import GENERATION_STREAM
 
         out = op(array, group=self.group, stream=GENERATION_STREAM)
-        mx.eval(out)
+        try:
+            mx.eval(out)
+        except RuntimeError as e:  # the ring backend's "connection to a peer was lost"
+            raise PeerLostError(f"process {self.rank} of {self.size}: another process stopped or cannot be reached ({e})") from None
         return out
 
     def _watched(self, what: str, fn, timeout: float | None = None):
