@@ -45,7 +45,8 @@ def main() -> None:
             continue
         stats = chat.last_stats
         print(json.dumps({"rank": 0, "reply": chat.last_reply.content, "reused": stats.reused_tokens,
-                          "prompt": stats.prompt_tokens, "finish": chunk.finish_reason}), flush=True)  # fmt: skip
+                          "prompt": stats.prompt_tokens, "finish": chunk.finish_reason, "summary": stats.summary(),
+                          "processes": [[p.peak_memory, p.traffic.transfers, p.traffic.bytes] for p in stats.processes]}), flush=True)  # fmt: skip
     print(json.dumps({"rank": 0, "caches": cached_ids(chat)}), flush=True)
     chat.engine.close()
 

@@ -188,6 +188,13 @@ def test_tensor_parallelism_splits_every_layer(checkpoints, runs):
     assert lines[0]["weights"] == lines[1]["weights"] == expected < sum(sizes.values())
     with pytest.raises(OptionError, match="cannot split 2 K/V heads or 4 attention heads 3 ways"):
         check_divisible(model.text_config, 3)
+    # The memory estimate per machine counts the same weights, and half the sliding layers' K/V.
+    from gemma4_mlx.memory import estimate, kv_cache_bytes, process_estimates
+
+    (_, share), _ = process_estimates(checkpoints["dense31b"], 64, 2, parallel="tensor")
+    text = model.text_config
+    halved_kv = sum(kv_cache_bytes(text, 64, layers={s.index}) // (2 if s.num_kv_heads % 2 == 0 else 1) for s in text.layers)
+    assert share.weights == expected and share.kv_cache == halved_kv < estimate(checkpoints["dense31b"], 64).kv_cache
     for line in lines:
         assert line["weights"] <= line["active"] <= 1.05 * line["weights"] + 256 * 1024, line
 

@@ -16,6 +16,7 @@ from ..config import ModelConfig
 from ..errors import OptionError
 from .pipeline import PipelineStage, parse_split, split_layers
 from .tensor import check_divisible, shard_layers
+from .traffic import Traffic, measure_link
 from .watchdog import TIMEOUT_VARIABLE, Watchdog, connecting, default_timeout
 
 PARALLEL_MODES = ("pipeline", "tensor")
@@ -122,6 +123,9 @@ def load_sharded(
     # peer). The others may still be downloading their shards: a far longer limit, an hour at least.
     watchdog.expect("waiting for the others to load their weights", max(10 * watchdog.timeout, 3600))
     mx.eval(mx.distributed.all_sum(mx.array(1.0), group=group, stream=mx.cpu))
+    watchdog.expect("measuring the link", watchdog.timeout)
+    latency, bandwidth = measure_link(group, config.text_config.hidden_size, model.language_model.norm.weight.dtype)
+    model.language_model.traffic = Traffic(latency=latency, bandwidth=bandwidth)  # counted by the forward passes
     watchdog.idle()
     processor = Processor.from_pretrained(model_path, model.config)
     return model, processor

@@ -106,6 +106,12 @@ class Lockstep:
         mine = mx.array([value if self.leads else 0], dtype=mx.int64)
         return int(self._watched("agreeing with the other processes", lambda: self._sum(mine)).item())
 
+    def gather(self, values: list[float]) -> list[list[float]]:
+        """Every process's ``values`` (float32), by rank."""
+        mine = mx.array(values, dtype=mx.float32)
+        out = self._watched("gathering statistics", lambda: self._collective(mx.distributed.all_gather, mine))
+        return out.reshape(self.size, len(values)).tolist()
+
     def most(self, value: int) -> int:
         """The largest of every process's ``value``."""
         mine = mx.array([value], dtype=mx.int64)

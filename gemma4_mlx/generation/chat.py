@@ -22,7 +22,7 @@ import threading
 import weakref
 from collections import OrderedDict
 from contextlib import ExitStack
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, Iterator
 
 import mlx.core as mx
@@ -38,6 +38,7 @@ from .options import GenerationOptions
 from .pipeline import Timing, prepare_request
 from .prompt_cache import PromptCache, PromptCachePool
 from ..distributed.lockstep import AgreedStop, Lockstep, fresh_seed, pack_request, unpack_request
+from ..distributed.traffic import Traffic
 from .reply import Reply, ReplySplitter
 
 
@@ -52,17 +53,31 @@ class ReplyStats:
     generation_tps: float = 0.0
     peak_memory: float = 0.0  # GB (MLX's peak allocation during the reply)
     draft: SpeculativeStats | None = None  # with a draft model: drafted and accepted tokens
+    processes: list[ProcessStats] | None = None  # a sharded model: every process's, at the reply's end
 
     def summary(self) -> str:
-        draft = ""
+        draft = shared = ""
         if self.draft is not None:
             d = self.draft
             draft = f" · drafts {d.acceptance_rate:.0%} accepted, {d.tokens_per_step:.2f} tokens per step"
+        if self.processes:
+            peaks = " / ".join(f"{p.peak_memory:.2f}" for p in self.processes)
+            link = " / ".join(f"{p.traffic.seconds:.2f}" for p in self.processes)
+            shared = f" · {len(self.processes)} processes: peak {peaks} GB, communication ~{link} s"
         return (
             f"{self.time_to_first_token:.2f} s to first token · prompt {self.prompt_tokens} tokens "
             f"({self.reused_tokens} reused), {self.prompt_tps:.1f} tok/s · {self.generation_tokens} tokens, "
-            f"{self.generation_tps:.1f} tok/s{draft} · peak {self.peak_memory:.2f} GB"
+            f"{self.generation_tps:.1f} tok/s{draft} · peak {self.peak_memory:.2f} GB{shared}"
         )
+
+
+@dataclass
+class ProcessStats:
+    """One process of a sharded model, over one reply: its peak memory and its traffic with the others."""
+
+    rank: int
+    peak_memory: float  # GB
+    traffic: Traffic
 
 
 @dataclass
@@ -276,6 +291,14 @@ class ChatEngine:
             if self.model.watchdog is not None:
                 self.model.watchdog.idle()
 
+    def _process_stats(self, peak_memory: float, traffic: Traffic) -> list[ProcessStats]:
+        """Every process's peak memory and traffic over the reply (one gather)."""
+        rows = self.lockstep.gather([peak_memory, traffic.transfers, traffic.bytes / 1e6])
+        return [
+            ProcessStats(r, peak, replace(traffic, transfers=int(n), bytes=int(mb * 1e6)))  # the link as this process measured it
+            for r, (peak, n, mb) in enumerate(rows)
+        ]
+
     def _agreed(self, fn):
         """``fn()``, whose failure on any process of a sharded model fails it on all (before the
         caches change: a request one process cannot take, none takes)."""
@@ -329,6 +352,7 @@ class ChatEngine:
 
     def _decode(self, request, last_embeds, o, timing, stats, drafting) -> Iterator[ChatChunk]:
         ids, pc, stop_event = request.ids, self.caches.latest, o.stop_event
+        traffic = self.model.traffic.copy() if self.model.traffic is not None else None
         tool_response = self._tool_response_ids()
         eos = set(self.processor.eos_token_ids) | tool_response
         splitter = ReplySplitter(self.processor)
@@ -364,6 +388,8 @@ class ChatEngine:
                         finish = "stopped"
                 if finish:
                     pieces.append(splitter.finish())
+                    if self.lockstep is not None:  # every process reaches this token's end alike
+                        stats.processes = self._process_stats(timing.peak_memory, self.model.traffic.since(traffic))
                 pieces = [p for p in pieces if p[1]] or [(splitter.part, "")]
                 for i, (part, text) in enumerate(pieces):
                     # Copies: the caller reads them on another thread while this one goes on.

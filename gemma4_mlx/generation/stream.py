@@ -11,6 +11,8 @@ from typing import Any, Callable, Generator
 import mlx.core as mx
 from mlx_lm.generate import wired_limit
 
+from ..distributed.lockstep import Lockstep, fresh_seed
+from ..distributed.traffic import Traffic
 from ..errors import OptionError
 from ..memory import check_fits
 from ..models.cache import kv_quantization
@@ -34,16 +36,19 @@ class GenerationChunk:
     peak_memory: float  # GB
     logprobs: mx.array | None = None
     draft: SpeculativeStats | None = None  # with a draft model: acceptance so far
+    traffic: Traffic | None = None  # a sharded model: what this process exchanged with the others so far
 
     def summary(self) -> str:
         """One line of statistics (the command line prints it after the text)."""
-        draft = ""
+        draft = traffic = ""
         if self.draft is not None:
             d = self.draft
             draft = f" | drafts: {d.accepted}/{d.drafted} accepted ({d.acceptance_rate:.0%}), {d.tokens_per_step:.2f} tokens per target step"
+        if self.traffic is not None:
+            traffic = f" | communication: {self.traffic.summary()}"
         return (
             f"prompt: {self.prompt_tokens} tokens, {self.prompt_tps:.1f} tok/s | generation: {self.generation_tokens} "
-            f"tokens, {self.generation_tps:.1f} tok/s{draft} | peak memory {self.peak_memory:.2f} GB | finish: {self.finish_reason}"
+            f"tokens, {self.generation_tps:.1f} tok/s{draft} | peak memory {self.peak_memory:.2f} GB{traffic} | finish: {self.finish_reason}"
         )
 
 
@@ -84,6 +89,9 @@ def stream_generate(
     sampling). Chunks then carry ``draft`` statistics.
     """
     opts = GenerationOptions(**options)
+    if opts.seed is None and opts.temperature > 0 and getattr(model, "group", None) is not None:
+        # A sharded model: every process runs this call and must draw the same samples.
+        opts.seed = Lockstep(model.group, model.watchdog).leaders(fresh_seed())
     drafter = _drafter(draft_model, model, opts, num_draft_tokens)
     cached = cache[0].offset if cache else 0
     request = prepare_request(model, processor, prompt, opts, cached, images, audio, videos)
@@ -105,6 +113,7 @@ def _stream_chunks(model, ids, cache, request, opts, drafter, num_draft_tokens, 
     detokenizer.reset()
     timing = Timing(prefilled=len(ids))
     stats = None
+    traffic = model.traffic.copy() if getattr(model, "traffic", None) is not None else None
     if drafter is None:
         tokens = generate_tokens(
             model, mx.array(ids), cache, request.max_tokens, request.sampler, request.logits_processors,
@@ -141,6 +150,7 @@ def _stream_chunks(model, ids, cache, request, opts, drafter, num_draft_tokens, 
             peak_memory=timing.peak_memory,
             logprobs=logprobs,
             draft=stats,
+            traffic=None if traffic is None else model.traffic.since(traffic),
         )
         if finish:
             return

@@ -22,6 +22,7 @@ an estimate.
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -78,10 +79,11 @@ def kv_value_bytes(bytes_per_value: int = 2, kv_bits: int | None = None, kv_grou
 
 def kv_cache_bytes(
     text: TextConfig, context: int, bytes_per_value: int = 2, sliding_slack: int = 0, prefill_step_size: int = 2048,
-    kv_bits: int | None = None, kv_group_size: int = 64, single_kv_storage: bool = True, layers=None,
+    kv_bits: int | None = None, kv_group_size: int = 64, single_kv_storage: bool = True, layers=None, tensor_parallel: int = 1,
 ) -> int:  # fmt: skip
     """Bytes of the KV cache after ``context`` tokens (see the module docstring; ``single_kv_storage``
-    as ``Gemma4Model.make_cache`` takes it); ``layers``: only the caches of these layer indices."""
+    as ``Gemma4Model.make_cache`` takes it); ``layers``: only the caches of these layer indices;
+    ``tensor_parallel``: one process's share when that many split the K/V heads (where they divide)."""
     total = 0
     full_tokens = full_cache_tokens(context, prefill_step_size)
     element = kv_value_bytes(bytes_per_value, kv_bits, kv_group_size)
@@ -89,7 +91,8 @@ def kv_cache_bytes(
         if spec.is_kv_shared or (layers is not None and spec.index not in layers):
             continue
         tensors = 1 if spec.k_eq_v and single_kv_storage else 2
-        per_token = round(tensors * spec.num_kv_heads * spec.head_dim * element)
+        heads = spec.num_kv_heads // tensor_parallel if spec.num_kv_heads % tensor_parallel == 0 else spec.num_kv_heads
+        per_token = round(tensors * heads * spec.head_dim * element)
         tokens = min(context, text.sliding_window + sliding_slack) if spec.is_sliding else full_tokens
         total += per_token * tokens
     return total
@@ -207,18 +210,38 @@ def estimate(
     return MemoryEstimate(context, weights, kv, workspace_bytes(text, context, prefill_step_size, 2, kv_bits))
 
 
+_SPLIT_BY_TENSOR_PARALLELISM = re.compile(r"\.(self_attn\.(q|o)_proj|mlp\.(gate|up|down)_proj|experts\.switch_glu\.(gate|up|down)_proj)\.")
+_KV_PROJECTION = re.compile(r"language_model\.layers\.(\d+)\.self_attn\.(k|v)_proj\.")
+
+
 def process_estimates(
     path_or_config: str | Path, context: int, processes: int, split: str | None = None, prefill_step_size: int = 2048,
-    mapped_ple: bool = True, kv_bits: int | None = None, kv_group_size: int = 64,
+    mapped_ple: bool = True, kv_bits: int | None = None, kv_group_size: int = 64, parallel: str = "pipeline",
 ) -> list[tuple[str, MemoryEstimate]]:  # fmt: skip
     """Per process of a pipeline (see :mod:`gemma4_mlx.distributed.pipeline`): its layers and the
     memory it needs at ``context`` tokens: its weights (its layers', the embeddings every process
     holds, and on the first the media encoders), the caches of its layers (and of the layers whose
-    K/V its KV-shared layers read), and the workspace (every process applies the LM head)."""
+    K/V its KV-shared layers read), and the workspace (every process applies the LM head).
+    ``parallel="tensor"`` (:mod:`gemma4_mlx.distributed.tensor`): every process the same share of
+    every layer's projections and K/V heads (where they divide), and the rest whole."""
     from ..distributed.pipeline import PipelineStage, parse_split, split_layers
 
     folder, config = _resolve(path_or_config)
     text = config.text_config
+    if parallel == "tensor":
+        from ..distributed.tensor import check_divisible
+
+        check_divisible(text, processes)
+
+        def share(name: str, n: int) -> int:
+            kv = _KV_PROJECTION.match(name)
+            heads_split = kv is not None and text.layers[int(kv.group(1))].num_kv_heads % processes == 0
+            return -(-n // processes) if _SPLIT_BY_TENSOR_PARALLELISM.search(name) or heads_split else n
+
+        weights = sum(share(k, n) for k, n in _tensor_bytes(folder, config, mapped_ple).items())
+        kv = kv_cache_bytes(text, context, 2, 0, prefill_step_size, kv_bits, kv_group_size, tensor_parallel=processes)
+        estimate = MemoryEstimate(context, weights, kv, workspace_bytes(text, context, prefill_step_size, 2, kv_bits))
+        return [(f"1/{processes} of every layer", estimate)] * processes
     counts = parse_split(split, processes, text.num_hidden_layers) if split else split_layers(text.num_hidden_layers, processes)
     tensors = _tensor_bytes(folder, config, mapped_ple)
     workspace = workspace_bytes(text, context, prefill_step_size, 2, kv_bits)

@@ -18,8 +18,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--prefill-step-size", type=int, default=2048)
     p.add_argument("--kv-bits", type=int, default=None, choices=KV_BITS, help="a quantized KV cache (default: bf16)")
     p.add_argument("--kv-group-size", type=int, default=64, choices=KV_GROUP_SIZES)
-    p.add_argument("--processes", type=int, default=1, help="machines sharing the model in a pipeline (mlx.launch): memory per machine")
-    p.add_argument("--split", default=None, help="with --processes: layers per machine, e.g. 20,15 (default: even)")
+    p.add_argument("--processes", type=int, default=1, help="machines sharing the model (mlx.launch): memory per machine")
+    p.add_argument("--parallel", choices=["pipeline", "tensor"], default="pipeline", help="with --processes: how they share it")
+    p.add_argument("--split", default=None, help="with --processes: layers per machine of a pipeline, e.g. 20,15 (default: even)")
     args = p.parse_args(argv)
     kv = dict(kv_bits=args.kv_bits, kv_group_size=args.kv_group_size)
     try:
@@ -27,7 +28,7 @@ def main(argv: list[str] | None = None) -> int:
             if n < 1:
                 raise ValueError(f"--context must be positive, not {n}")
             if args.processes > 1:
-                for rank, (layers, e) in enumerate(process_estimates(args.model, n, args.processes, args.split, args.prefill_step_size, **kv)):
+                for rank, (layers, e) in enumerate(process_estimates(args.model, n, args.processes, args.split, args.prefill_step_size, parallel=args.parallel, **kv)):
                     print(f"process {rank} ({layers}): {e.summary()}")
                 continue
             print(estimate(args.model, n, args.prefill_step_size, **kv).summary())

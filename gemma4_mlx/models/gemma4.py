@@ -73,6 +73,17 @@ class Gemma4Model(nn.Module):
         """Under several processes, what stops this one when a forward pass waits too long, or None."""
         return self.language_model.watchdog
 
+    @property
+    def group(self):
+        """The ``mx.distributed`` group sharing this model (:func:`~gemma4_mlx.distributed.load_sharded`), or None."""
+        return getattr(self.language_model, "group", None)
+
+    @property
+    def traffic(self):
+        """Under several processes, what this one exchanged with the others (a
+        :class:`~gemma4_mlx.distributed.traffic.Traffic`), or None."""
+        return getattr(self.language_model, "traffic", None)
+
     def use_pipeline(self, stage) -> None:
         """Keep only this process's part: its decoder layers, and on the first process the media
         encoders (the others receive the residual stream). Call before loading weights."""
