@@ -13,7 +13,7 @@ import time
 from pathlib import Path
 
 import pytest
-from checkpoints import AUDIO, SMALL_VIT, build_hf_model, save_checkpoint
+from checkpoints import AUDIO, SMALL_VIT, build_hf_assistant, build_hf_model, save_checkpoint
 from helpers import random_image, tone
 
 from gemma4_mlx import Chat
@@ -33,6 +33,7 @@ def folders(tmp_path_factory):
     return {
         "e2b_mm": save_checkpoint(build_hf_model("e2b", vision_config=SMALL_VIT, audio_config=AUDIO), root / "e2b_mm"),
         "moe26b": save_checkpoint(build_hf_model("moe26b"), root / "moe26b"),
+        "dense31b": save_checkpoint(build_hf_model("dense31b"), root / "dense31b"),
         "media": root,
     }
 
@@ -53,7 +54,7 @@ def script(media: Path, images: bool) -> dict:
 def run_alone(path: Path, script: dict) -> list[dict]:
     """The script's lines in one process, through the same worker code path (Chat)."""
     model, processor = load(path)
-    chat = Chat(model, processor, max_tokens=script["max_tokens"])
+    chat = Chat(model, processor, draft_model=script.get("draft"), max_tokens=script["max_tokens"])
     lines = []
     for turn in script["turns"]:
         options = dict(turn.get("options", {}))
@@ -77,9 +78,13 @@ def run_alone(path: Path, script: dict) -> list[dict]:
     ("e2b_mm", 2, "pipeline", "5,5"),  # the first process encodes the media
     ("e2b_mm", 2, "tensor", None),  # every process encodes them (from the bytes process 0 sent)
     ("moe26b", 3, "pipeline", None),
+    ("dense31b", 2, "pipeline", "6,2"),  # with a drafter, whose sources are gathered to process 0
 ])  # fmt: skip
-def test_a_sharded_chat_replies_as_one_process(folders, model, n, parallel, split):
+def test_a_sharded_chat_replies_as_one_process(folders, model, n, parallel, split, tmp_path):
     s = {**script(folders["media"], images=model == "e2b_mm"), "split": split}
+    if model == "dense31b":
+        build_hf_assistant("dense31b").save_pretrained(tmp_path / "drafter")
+        s["draft"] = str(tmp_path / "drafter")
     cmd = [str(LAUNCH), "-n", str(n), "--backend", "ring", sys.executable, str(WORKER), str(folders[model]), parallel, json.dumps(s)]
     done = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
     lines = [json.loads(l) for l in done.stdout.splitlines() if l.startswith("{")]
@@ -93,6 +98,9 @@ def test_a_sharded_chat_replies_as_one_process(folders, model, n, parallel, spli
         else:
             assert {k: got.get(k) for k in expected} == expected, turn["text"]
     assert leader[-1]["reply"] and alone[1]["reused"] > 0
+    if "draft" in s:
+        assert all("drafts" in l["summary"] for l in leader if "summary" in l)
+    assert all(len(l["processes"]) == n and all(p[0] > 0 for p in l["processes"]) for l in leader if "processes" in l)
     caches = {l["rank"]: l["caches"] for l in lines if "caches" in l}
     assert sorted(caches) == list(range(n)) and all(c == caches[0] for c in caches.values())
     if model == "e2b_mm":

@@ -13,7 +13,11 @@ with what Gemma 4 adds:
 * a KV-shared layer on a later rank than its source layer gets the source's new keys and values
   with the stream, and keeps its own copy of the source's cache (the *mirror*), updated the same way;
 * the layers a process does not run get a :class:`~gemma4_mlx.models.cache.PassedLayerCache`, which
-  only counts tokens, so that every process's cache has the same offsets and rewinds alike.
+  only counts tokens, so that every process's cache has the same offsets and rewinds alike;
+* with a drafter (speculative decoding), every process drafts by itself, from mirrors of the target
+  layers the drafter reads (:meth:`PipelineStage.use_drafter_sources`): their new K/V reach the
+  processes the pipeline does not bring them to in one ``all_gather`` per forward pass, so all draft
+  the same tokens and no drafted token travels.
 
 What crosses each boundary is packed into one flat array per hop (one send, one receive), so the
 two sides cannot disagree on the order of several transfers.
@@ -26,6 +30,7 @@ import re
 from dataclasses import dataclass, field
 
 import mlx.core as mx
+from mlx.utils import tree_flatten
 
 from ..config import TextConfig
 from ..errors import OptionError
@@ -90,7 +95,11 @@ class PipelineStage:
     config: TextConfig
     counts: list[int]
     dtype: mx.Dtype = mx.float32  # the activations' type on the wire (set from the weights when loaded)
+    drafter_sources: list[int] = field(default_factory=list)  # target layers a drafter reads (use_drafter_sources)
     bounds: list[tuple[int, int]] = field(init=False)
+    shared_sources: list[int] = field(default_factory=list, init=False)  # of those, the ones gathered (share_sources)
+    _key_norms: dict = field(default_factory=dict, init=False, repr=False)  # K=V sources' k_norm weights, as gathered
+    _ropes: dict = field(default_factory=dict, init=False, repr=False)
 
     def __post_init__(self):
         if len(self.counts) != self.size or sum(self.counts) != self.config.num_hidden_layers:
@@ -145,8 +154,10 @@ class PipelineStage:
 
     @property
     def mirrors(self) -> list[int]:
-        """Source layers another rank runs whose cache this rank keeps a copy of (its KV-shared layers read it)."""
-        return [s for s in self.crossing(self.start) if self.owns_consumer(s)]
+        """Source layers another rank runs whose cache this rank keeps a copy of (its KV-shared layers
+        or a drafter read it)."""
+        readers = [s for s in self.crossing(self.start) if self.owns_consumer(s)]
+        return sorted(set(readers) | {s for s in self.drafter_sources if not self.owns(s)})
 
     def cached_here(self, layer: int) -> bool:
         """Whether this rank keeps a real cache for ``layer`` (it runs it, or mirrors it)."""
@@ -170,6 +181,76 @@ class PipelineStage:
         if name.startswith(FIRST_RANK_ONLY):
             return self.is_first
         return True
+
+    def owner(self, layer: int) -> int:
+        return next(r for r, (a, b) in enumerate(self.bounds) if a <= layer < b)
+
+    # --- a drafter's sources
+    def use_drafter_sources(self, layers) -> None:
+        """Keep a cache of each of ``layers`` (the target layers a drafter reads) on every process, so
+        that every process drafts the same tokens by itself. Call before making caches: one made
+        before keeps no copy of them here (speculative decoding refuses it)."""
+        self.drafter_sources = sorted(set(self.drafter_sources) | set(layers))
+        # Gathered to all: those some process neither runs nor gets along the pipeline (for its KV-shared layers).
+        along = [[s for s in self.drafter_sources if a <= s < b or s in self.crossing(a)] for a, b in self.bounds]
+        self.shared_sources = [s for s in self.drafter_sources if not all(s in got for got in along)]
+
+    def _shared_shapes(self, layer: int, batch: int, length: int) -> list[tuple[int, ...]]:
+        # A K=V layer's keys are a function of its values: its values and k_norm weight travel instead.
+        spec = self.config.layers[layer]
+        kv = (batch, spec.num_kv_heads, length, spec.head_dim)
+        return [kv, (spec.head_dim,)] if spec.k_eq_v else [kv, kv]
+
+    def share_sources(self, h: mx.array, after: mx.array, kv: dict, received: dict, cache: list | None, layers: list) -> mx.array:
+        """The new K/V of :attr:`shared_sources` from their owners to every process (one ``all_gather``
+        of equal parts, the others' zeros), into this process's copies. ``after`` is what this
+        process's part must follow (its send, else its receive: the ring pairs transfers in the order
+        they run). Returns ``h`` after the gather, so that :meth:`from_last` follows it everywhere."""
+        from ..models.cache import PassedLayerCache
+
+        B, L = h.shape[:2]
+        parts = []
+        for s in self.shared_sources:
+            if self.owns(s):
+                k, v = kv[s]
+                parts += [v, layers[s].self_attn.k_norm.weight] if self.config.layers[s].k_eq_v else [k, v]
+            else:
+                parts += [mx.zeros(shape, self.dtype) for shape in self._shared_shapes(s, B, L)]
+        flat = mx.depends(mx.concatenate([p.astype(self.dtype).reshape(-1) for p in parts]), after)
+        gathered = mx.distributed.all_gather(flat, group=self.group)
+        at, fetched = 0, []
+        for s in self.shared_sources:
+            pieces = []
+            for shape in self._shared_shapes(s, B, L):
+                start = self.owner(s) * flat.size + at
+                pieces.append(gathered[start : start + math.prod(shape)].reshape(shape))
+                at += math.prod(shape)
+            if self.config.layers[s].k_eq_v:
+                self._key_norms[s] = pieces[1]  # the owner's too: every process derives keys from the same bits
+                pieces = [pieces[0], pieces[0]]  # a copy's keys are never read (drafter_keys makes them)
+            if cache is not None and not self.owns(s) and s not in received and not isinstance(cache[s], PassedLayerCache):
+                fetched += [a for _, a in tree_flatten(cache[s].update_and_fetch(*pieces))]
+        # A prefill evaluates only the caches: the gather must be part of every process's.
+        carrier = next((c for c in reversed(cache or ()) if isinstance(c, PassedLayerCache)), None)
+        if carrier is not None:
+            carrier.gathered = gathered
+        elif cache is not None and not fetched:
+            raise RuntimeError("this process's cache has no place for the drafter's sources' transfer")
+        return mx.depends(h, [gathered, *fetched])
+
+    def drafter_keys(self, layer: int):
+        """For a K=V source, the function making its keys from its cached values as its owner does
+        (the same bits on every process); None for other layers."""
+        if layer not in self._key_norms:
+            return None
+        from ..models.text import make_rope
+        from ..ops import DerivedKeys
+
+        spec = self.config.layers[layer]
+        if layer not in self._ropes:
+            self._ropes[layer] = make_rope(spec.head_dim, self.config.rope_for(spec.layer_type))
+        weight, rope = self._key_norms[layer], self._ropes[layer]
+        return lambda values: DerivedKeys(values, weight, rope, spec.head_dim)
 
     def advance_passed(self, cache: list | None, length: int) -> None:
         """Count ``length`` tokens in the caches of the layers other ranks run."""

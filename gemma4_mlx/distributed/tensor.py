@@ -94,24 +94,50 @@ def split_glu(gate, up, down, group: mx.distributed.Group) -> None:
     _columns(down, start, stop)
 
 
-def shard_layers(model, group: mx.distributed.Group) -> None:
-    """Split every decoder layer of a loaded (unmerged) model among ``group``'s processes, in place."""
+def shard_layer(layer, group: mx.distributed.Group) -> None:
+    """Split one decoder layer among ``group``'s processes, in place: q heads (and K/V heads where
+    their count divides: a KV-shared or drafter layer then reads this process's share of them, the
+    same GQA groups), the output projection summed, the MLP's and experts' hidden units."""
     size = group.size()
-    check_divisible(model.text_config, size)
-    for layer in model.layers:
-        attn, spec = layer.self_attn, layer.spec
-        shard_inplace(attn.q_proj, "all-to-sharded", group=group)
-        attn.n_heads //= size
-        if not spec.is_kv_shared and spec.num_kv_heads % size == 0:
+    attn, spec = layer.self_attn, layer.spec
+    shard_inplace(attn.q_proj, "all-to-sharded", group=group)
+    attn.n_heads //= size
+    if spec.num_kv_heads % size == 0:  # else every process computes the single K/V head
+        if not spec.is_kv_shared:
             shard_inplace(attn.k_proj, "all-to-sharded", group=group)
             if "v_proj" in attn:  # K=V layers have none
                 shard_inplace(attn.v_proj, "all-to-sharded", group=group)
-            attn.n_kv_heads //= size
-        attn.o_proj = shard_linear(attn.o_proj, "sharded-to-all", group=group)
-        mlp = layer.mlp
-        split_glu(mlp.gate_proj, mlp.up_proj, mlp.down_proj, group)
-        mlp.group = group
-        if layer.has_moe:
-            glu = layer.experts.switch_glu
-            split_glu(glu.gate_proj, glu.up_proj, glu.down_proj, group)
-            layer.experts.group = group
+        attn.n_kv_heads //= size
+    attn.o_proj = shard_linear(attn.o_proj, "sharded-to-all", group=group)
+    mlp = layer.mlp
+    split_glu(mlp.gate_proj, mlp.up_proj, mlp.down_proj, group)
+    mlp.group = group
+    if layer.has_moe:
+        glu = layer.experts.switch_glu
+        split_glu(glu.gate_proj, glu.up_proj, glu.down_proj, group)
+        layer.experts.group = group
+
+
+def shard_layers(model, group: mx.distributed.Group) -> None:
+    """Split every decoder layer of a loaded (unmerged) model among ``group``'s processes, in place."""
+    check_divisible(model.text_config, group.size())
+    for layer in model.layers:
+        shard_layer(layer, group)
+    model.language_model.tensor_group = group  # a drafter meeting this model is split alike (shard_drafter)
+
+
+def shard_drafter(drafter, group: mx.distributed.Group) -> None:
+    """Split a drafter's layers as the target's (:func:`shard_layer`), so that its query heads read
+    the K/V heads this process holds; its embeddings, LM head and projections stay whole."""
+    size, tc = group.size(), drafter.config.text_config
+    problems = [f"{tc.num_attention_heads} attention heads"] if tc.num_attention_heads % size else []
+    problems += [f"{s.num_kv_heads} K/V heads" for s in drafter.config.layer_specs() if s.num_kv_heads % size and s.num_kv_heads != 1]
+    if problems:
+        raise OptionError(
+            f"tensor parallelism cannot split the draft model's {' or '.join(sorted(set(problems)))} {size} ways: "
+            "use a number of processes dividing them, or --parallel pipeline"
+        )
+    for layer in drafter.layers:
+        shard_layer(layer, group)
+    drafter.tensor_group = group
+    drafter.materialize()

@@ -33,7 +33,7 @@ from ..errors import OptionError
 from ..memory import check_fits
 from ..modalities import MODALITIES
 from .decode import GENERATION_STREAM, generate_tokens
-from .speculative import DEFAULT_DRAFT_TOKENS, SpeculativeStats, load_checked_drafter, speculative_tokens
+from .speculative import DEFAULT_DRAFT_TOKENS, SpeculativeStats, fit_to_processes, load_checked_drafter, speculative_tokens
 from .options import GenerationOptions
 from .pipeline import Timing, prepare_request
 from .prompt_cache import PromptCache, PromptCachePool
@@ -121,16 +121,17 @@ class ChatEngine:
         model.materialize()  # it is used from the engine's own thread
         # On Apple silicon, keep the weights wired (resident) for the engine's life, as mlx-lm's server does.
         maybe_set_recommended_wired_limit()
-        self.drafter = load_checked_drafter(draft_model, model, num_draft_tokens)
+        self.drafter = load_checked_drafter(draft_model, model, num_draft_tokens, fit=False)
         self.num_draft_tokens = num_draft_tokens
-        if self.drafter is not None:
-            self.drafter.materialize()  # used from the engine's thread too
         # A model shared by several processes (gemma4_mlx.distributed): process 0 leads, the others
         # follow (see lockstep.py); their caches drop what the fullest process must drop.
         self.lockstep = _lockstep(model)
         if self.lockstep is not None and self.lockstep.most(int(self.drafter is None)) and self.drafter is not None:
             print("Not drafting: another process of the sharded model has no drafter", file=sys.stderr, flush=True)
             self.drafter = None  # all draft or none: the processes run the same forward passes
+        if self.drafter is not None:
+            fit_to_processes(self.drafter, model)  # after agreeing: it changes what the forward passes exchange
+            self.drafter.materialize()  # used from the engine's thread too
         turn_start = processor.tokenizer.convert_tokens_to_ids("<|turn>")
         self.caches = PromptCachePool(model, max_caches, max_snapshots, 1 if self.drafter is not None else 0, cache_memory, turn_start)
         if self.lockstep is not None:

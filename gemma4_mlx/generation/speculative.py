@@ -24,7 +24,7 @@ import numpy as np
 
 from ..errors import OptionError
 from ..models.assistant import Assistant, target_source_spec
-from ..models.cache import in_temporal_order, last_tokens, trim_after_chunk
+from ..models.cache import PassedLayerCache, in_temporal_order, last_tokens, trim_after_chunk
 from .decode import GENERATION_STREAM, prefill, processed_logprobs
 
 DEFAULT_DRAFT_TOKENS = 4
@@ -48,18 +48,32 @@ class SpeculativeStats:
         return (self.accepted + self.target_steps) / self.target_steps if self.target_steps else 1.0
 
 
+def _source_layers(model, layer_types) -> dict[str, int]:
+    """For each drafter layer type, the target layer it reads (the last layer of that type owning K/V)."""
+    return {t: target_source_spec(model.text_config, t).index for t in layer_types}
+
+
 def _source_caches(model, cache: list, layer_types) -> dict[str, Any]:
-    """For each drafter layer type, the target cache it reads (the last layer of that type owning K/V)."""
-    owners = [s.index for s in model.text_config.layers if not s.is_kv_shared]
-    return {t: cache[owners.index(target_source_spec(model.text_config, t).index)] for t in layer_types}
+    """For each drafter layer type, the target cache it reads (KV-owning layers come first: index = layer)."""
+    sources = {t: cache[i] for t, i in _source_layers(model, layer_types).items()}
+    missing = sorted(i for t, i in _source_layers(model, layer_types).items() if isinstance(sources[t], PassedLayerCache))
+    if missing:
+        raise OptionError(
+            f"this cache was made before the draft model was attached: this process of the pipeline keeps no copy "
+            f"of layer {', '.join(map(str, missing))}, which the drafter reads; make the cache after loading the drafter"
+        )
+    return sources
 
 
-def _drafter_kv(sources: dict[str, Any], window: int) -> dict[str, tuple[mx.array, mx.array]]:
+def _drafter_kv(sources: dict[str, Any], window: int, keys_from_values: dict[str, Any] | None = None) -> dict[str, tuple[mx.array, mx.array]]:
     """The target's K/V as the drafter reads them: every past token for full layers, the last
-    ``window + 1`` for sliding ones (transformers' bidirectional window, distance <= window)."""
+    ``window + 1`` for sliding ones (transformers' bidirectional window, distance <= window).
+    ``keys_from_values[layer_type]`` makes a K=V source's keys from its values instead (pipeline)."""
     kv = {}
     for layer_type, c in sources.items():
         keys, values = in_temporal_order(c)
+        if (keys_from_values or {}).get(layer_type) is not None:
+            keys = keys_from_values[layer_type](values)
         if layer_type == "sliding_attention":
             keys, values = last_tokens(keys, window + 1), last_tokens(values, window + 1)
         kv[layer_type] = (keys, values)
@@ -98,6 +112,10 @@ def speculative_tokens(
     window = model.text_config.sliding_window
     sources = _source_caches(model, cache, drafter.layer_types)
     embed = model.language_model.embed
+    stage = model.language_model.stage
+    # Pipeline: a K=V source's copy on another process holds its values; all processes make its keys
+    # from them alike (made when read: after the forward passes that gather its k_norm weight).
+    derive = (lambda: {t: stage.drafter_keys(i) for t, i in _source_layers(model, drafter.layer_types).items()}) if stage else dict
 
     def processed(logits: mx.array, context: mx.array) -> mx.array:
         return processed_logprobs(logits, processors, context)
@@ -125,7 +143,7 @@ def speculative_tokens(
         k = min(num_draft_tokens, max_tokens - produced - 1)
         with mx.stream(GENERATION_STREAM):
             position = mx.array(cache[0].offset, dtype=mx.int32)
-            kv = _drafter_kv(sources, window)
+            kv = _drafter_kv(sources, window, derive())
             drafts, draft_logprobs = [], []
             last, state, context = token, hidden, history
             for _ in range(k):
@@ -176,8 +194,9 @@ def speculative_tokens(
             mx.clear_cache()
 
 
-def load_checked_drafter(draft_model, model, num_draft_tokens: int):
-    """The loaded drafter for ``draft_model`` (None: no speculative decoding), checked against the target."""
+def load_checked_drafter(draft_model, model, num_draft_tokens: int, fit: bool = True):
+    """The loaded drafter for ``draft_model`` (None: no speculative decoding), checked against the
+    target and (``fit``) fitted to a target shared by processes (:func:`fit_to_processes`)."""
     if draft_model is None:
         return None
     if not (isinstance(num_draft_tokens, int) and not isinstance(num_draft_tokens, bool) and 1 <= num_draft_tokens <= 64):
@@ -189,7 +208,26 @@ def load_checked_drafter(draft_model, model, num_draft_tokens: int):
     else:
         drafter, name = load_drafter(draft_model), f"the draft model {draft_model}"
     drafter.check_target(model.text_config, name=name)
+    if fit:
+        fit_to_processes(drafter, model)
     return drafter
+
+
+def fit_to_processes(drafter, model) -> None:
+    """Fit ``drafter`` to a target shared by processes (``load_sharded``), where every process drafts
+    the same tokens by itself: under pipeline parallelism each keeps copies of the target layers the
+    drafter reads (every process must attach the same drafter, before making its caches); under
+    tensor parallelism the drafter's layers are split as the target's (in place)."""
+    text = model.language_model
+    group = text.tensor_group
+    if drafter.tensor_group is not None and drafter.tensor_group is not group:
+        raise OptionError("this draft model was split for another tensor-parallel model: load it again for this one")
+    if group is not None and drafter.tensor_group is None:
+        from ..distributed.tensor import shard_drafter
+
+        shard_drafter(drafter, group)
+    if text.stage is not None:
+        text.stage.use_drafter_sources(_source_layers(model, drafter.layer_types).values())
 
 
 def _accept(drafts, draft_logprobs, target_logprobs, distribution):
@@ -219,4 +257,4 @@ def _accept(drafts, draft_logprobs, target_logprobs, distribution):
     return accepted, choice
 
 
-__all__ = ["speculative_tokens", "load_checked_drafter", "SpeculativeStats", "DEFAULT_DRAFT_TOKENS"]
+__all__ = ["speculative_tokens", "load_checked_drafter", "fit_to_processes", "SpeculativeStats", "DEFAULT_DRAFT_TOKENS"]

@@ -119,6 +119,7 @@ class Assistant(nn.Module):
             self.lm_head = nn.Linear(tc.hidden_size, tc.vocab_size, bias=False)
         if config.use_ordered_embeddings:
             self.masked_embedding = MaskedEmbedder(config)
+        self.tensor_group = None  # split for a tensor-parallel target (gemma4_mlx.distributed.tensor.shard_drafter)
 
     def materialize(self) -> None:
         """Evaluate every array the drafter holds (see :func:`~gemma4_mlx.models.text.materialize`)."""

@@ -183,11 +183,14 @@ class PassedLayerCache(_TrimmableCache):
 
     One more of them ends the cache list of every process but the last: its ``state`` is what the
     process last sent on, so that evaluating the caches (as a prefill does, without the logits)
-    also sends the residual stream to the process waiting for it."""
+    also sends the residual stream to the process waiting for it. With a drafter, the last of them
+    also holds the all_gather of the drafter's sources (:meth:`PipelineStage.share_sources`): every
+    process must take part in it, even one that keeps no copy fed by it."""
 
     def __init__(self):
         self.offset = 0
         self.sent = None
+        self.gathered = None
 
     def update_and_fetch(self, keys, values):
         raise RuntimeError("this layer runs in another process of the pipeline; its cache holds nothing here")
@@ -205,7 +208,7 @@ class PassedLayerCache(_TrimmableCache):
 
     @property
     def state(self):
-        return [] if self.sent is None else [self.sent]
+        return [a for a in (self.sent, self.gathered) if a is not None]
 
 
     def empty(self):

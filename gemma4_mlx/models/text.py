@@ -13,12 +13,14 @@ from typing import Any
 
 import mlx.core as mx
 import mlx.nn as nn
+from mlx.utils import tree_flatten
 from mlx_lm.models.base import create_attention_mask
 from mlx_lm.models.rope_utils import initialize_rope
 from mlx_lm.models.switch_layers import SwitchGLU, _gather_sort, _scatter_unsort
 
 from .. import ops
 from . import merging
+from .cache import PassedLayerCache
 from ..ops.compiled import compiled
 from ..config import FULL, SLIDING, LayerSpec, TextConfig, UnsupportedModelError
 
@@ -341,6 +343,8 @@ class TextModel(nn.Module):
         self.stage = None
         # Several processes (gemma4_mlx.distributed.watchdog): stops this one if a pass waits too long.
         self.watchdog = None
+        self.group = None  # the mx.distributed group of those processes
+        self.tensor_group = None  # tensor parallelism (gemma4_mlx.distributed.tensor): the group splitting each layer
 
     def use_pipeline(self, stage) -> None:
         """Run only layers ``[stage.start, stage.end)`` (the others are dropped, their weights never
@@ -484,7 +488,7 @@ class TextModel(nn.Module):
         if stage is not None and not stage.is_first:
             shape = (input_ids if input_ids is not None else inputs_embeds).shape
             h, per_layer, received = stage.receive(shape[0], shape[1])
-            per_layer_base = stage.start
+            arrived, per_layer_base = h, stage.start
         else:
             if inputs_embeds is None:
                 inputs_embeds = self.embed(input_ids)
@@ -508,9 +512,17 @@ class TextModel(nn.Module):
         position = mx.array(offset, dtype=mx.int32) if one else offset
         start, end = self._span()
         kvs: dict = {}
+        unread = []  # copies only a drafter reads: h depends on them, so that decoding without it updates them too
         for source, (k, v) in received.items():
-            if stage.owns_consumer(source):  # this process mirrors the source layer's cache
-                kvs[source] = cache[source].update_and_fetch(k, v) if cache is not None else (k, v)
+            if not stage.cached_here(source):  # passing through
+                continue
+            if cache is None:
+                kvs[source] = (k, v)
+            elif not isinstance(cache[source], PassedLayerCache):  # this process mirrors the source layer's cache
+                # (a drafter's source has none in a cache made before the drafter came: that one only counts)
+                kvs[source] = cache[source].update_and_fetch(k, v)
+                if not stage.owns_consumer(source):
+                    unread.append(kvs[source])
         new_kv = dict(received)  # what the next process may need
         first, joins = self._pieces(one_token=one)
         q, k, v = first(h, position)
@@ -530,6 +542,10 @@ class TextModel(nn.Module):
         if stage is not None:
             if not stage.is_last:
                 h = stage.send(h, per_layer, per_layer_base, new_kv, cache)
+            if stage.shared_sources:  # a drafter's sources, to the processes the pipeline does not bring them to
+                h = stage.share_sources(h, arrived if stage.is_last else h, new_kv, received, cache, self.layers)
+            if unread:
+                h = mx.depends(h, [a for _, a in tree_flatten(unread)])
             h = stage.from_last(h)
             stage.advance_passed(cache, h.shape[1])
         return ops.rms_norm(h, self.norm.weight, self.config.rms_norm_eps)
