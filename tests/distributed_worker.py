@@ -56,6 +56,8 @@ def main() -> None:
             if request.get("die") == [group.rank(), len(tokens)]:  # [rank, tokens]: a process that dies
                 os._exit(3)
         line = {"index": index, "rank": group.rank(), "tokens": tokens, "active": loaded, "weights": weights}
+        if tokens:
+            line.update(transfers=chunk.traffic.transfers, bytes=chunk.traffic.bytes, link_s=chunk.traffic.seconds)
         if draft and tokens:
             line.update(drafted=chunk.draft.drafted, accepted=chunk.draft.accepted)
         print(json.dumps(line), flush=True)

@@ -85,6 +85,7 @@ CASES = [
     ("dense31b", 3, "pipeline", "3,3,2", PROMPT, {"kv_bits": 8, "kv_group_size": 32}),
     ("e2b_6h", 3, "tensor", None, PROMPT, {}),  # KV-shared layers; 96 and 192 hidden units
     ("moe26b_6h", 3, "tensor", None, PROMPT, {"prefill_step_size": 16}),  # 64 and 32 hidden units: uneven
+    ("dense31b", 4, "tensor", None, PROMPT, {}),  # 2 K/V heads on 4: each process keeps the one its query head reads
 ]
 IDS = [f"{c[0]}-{c[1]}x-{c[2]}-{c[3] or 'auto'}" for c in CASES]
 
@@ -93,7 +94,7 @@ IDS = [f"{c[0]}-{c[1]}x-{c[2]}-{c[3] or 'auto'}" for c in CASES]
 def runs(checkpoints, media):
     """Every case's lines per rank, by case id: one launch of 2 processes, one of 3."""
     results = {}
-    for n in (2, 3):
+    for n in (2, 3, 4):
         cases = [(i, c) for i, c in zip(IDS, CASES) if c[1] == n]
         requests = [{"model": str(checkpoints[m]), "parallel": parallel, "split": split, "prompt": media if p == "media" else p,
                      "options": {"max_tokens": 16, **o}} for _, (m, _, parallel, split, p, o) in cases]  # fmt: skip
@@ -186,7 +187,7 @@ def test_tensor_parallelism_splits_every_layer(checkpoints, runs):
     expected = sum(v // 2 if halved(k) else v for k, v in sizes.items())
     lines = runs["dense31b-2x-tensor-auto"]
     assert lines[0]["weights"] == lines[1]["weights"] == expected < sum(sizes.values())
-    with pytest.raises(OptionError, match="cannot split 2 K/V heads or 4 attention heads 3 ways"):
+    with pytest.raises(OptionError, match="cannot split 4 attention heads 3 ways"):
         check_divisible(model.text_config, 3)
     # The memory estimate per machine counts the same weights, and half the sliding layers' K/V.
     from gemma4_mlx.memory import estimate, kv_cache_bytes, process_estimates
@@ -197,6 +198,34 @@ def test_tensor_parallelism_splits_every_layer(checkpoints, runs):
     assert share.weights == expected and share.kv_cache == halved_kv < estimate(checkpoints["dense31b"], 64).kv_cache
     for line in lines:
         assert line["weights"] <= line["active"] <= 1.05 * line["weights"] + 256 * 1024, line
+
+
+def test_each_process_counts_its_traffic(runs):
+    """Transfers and bytes per process, counted as the forward passes are built: a pipeline process
+    sends or receives one array and gathers one per forward pass; tensor parallelism sums two arrays
+    per layer (three with MoE), each the width of the residual stream (fp32 here)."""
+    hidden = 64 * 4
+    for case, per_forward in (("e2b-2x-tensor-auto", 2 * 10), ("moe26b-2x-tensor-auto", 3 * 6)):
+        lines = runs[case]
+        assert lines[0]["transfers"] == lines[1]["transfers"] > 0 and lines[0]["transfers"] % per_forward == 0
+        assert lines[0]["bytes"] % hidden == 0 and lines[0]["bytes"] >= lines[0]["transfers"] * hidden
+        assert lines[0]["link_s"] > 0
+    first, last = runs["e2b-2x-pipeline-6,4"]
+    assert first["transfers"] == last["transfers"] > 0 and first["transfers"] % 2 == 0  # a send (receive) and a gather
+    assert first["bytes"] == last["bytes"]
+
+
+def test_kv_heads_each_process_keeps():
+    """The K/V heads a process keeps, for the published variants' head counts: an equal share where
+    they divide, the single one, or the one its query heads read (E4B, and the 26B's and 31B's full
+    layers, on more processes than K/V heads)."""
+    from gemma4_mlx.distributed.tensor import kv_heads_kept
+
+    assert [kv_heads_kept(32, 16, 2, r) for r in range(2)] == [(0, 8), (8, 8)]  # 31B sliding layers
+    assert [kv_heads_kept(8, 1, 4, r) for r in range(4)] == [(0, 1)] * 4  # E2B: every process computes it
+    assert [kv_heads_kept(8, 2, 4, r) for r in range(4)] == [(0, 1), (0, 1), (1, 1), (1, 1)]  # E4B
+    assert [kv_heads_kept(32, 4, 8, r)[0] for r in range(8)] == [0, 0, 1, 1, 2, 2, 3, 3]  # 31B full layers on 8
+    assert kv_heads_kept(8, 2, 3, 0) is None and kv_heads_kept(16, 8, 32, 0) is None  # 16 query heads on 32
 
 
 def test_hidden_units_split_at_quantization_groups():

@@ -125,7 +125,10 @@ def load_sharded(
     mx.eval(mx.distributed.all_sum(mx.array(1.0), group=group, stream=mx.cpu))
     watchdog.expect("measuring the link", watchdog.timeout)
     latency, bandwidth = measure_link(group, config.text_config.hidden_size, model.language_model.norm.weight.dtype)
-    model.language_model.traffic = Traffic(latency=latency, bandwidth=bandwidth)  # counted by the forward passes
+    traffic = Traffic(latency=latency, bandwidth=bandwidth)  # counted as the forward passes are built
+    model.language_model.traffic = traffic
+    if model.stage is not None:
+        model.stage.traffic = traffic
     watchdog.idle()
     processor = Processor.from_pretrained(model_path, model.config)
     return model, processor

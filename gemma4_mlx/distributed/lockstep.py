@@ -30,6 +30,7 @@ import mlx.core as mx
 import numpy as np
 
 from ..errors import OptionError, PeerLostError
+from .traffic import Traffic
 
 MEDIA_KINDS = ("image", "audio", "video")
 
@@ -37,8 +38,8 @@ MEDIA_KINDS = ("image", "audio", "video")
 class Lockstep:
     """The channel from process 0 to the others of ``group`` (see the module docstring)."""
 
-    def __init__(self, group: mx.distributed.Group, watchdog=None):
-        self.group, self.watchdog = group, watchdog
+    def __init__(self, group: mx.distributed.Group, watchdog=None, traffic: Traffic | None = None):
+        self.group, self.watchdog, self.traffic = group, watchdog, traffic
         self.rank, self.size = group.rank(), group.size()
         self.closed = False
 
@@ -59,6 +60,8 @@ class Lockstep:
         from ..generation.decode import GENERATION_STREAM
 
         out = op(array, group=self.group, stream=GENERATION_STREAM)
+        if self.traffic is not None:
+            self.traffic.add(out.nbytes)
         try:
             mx.eval(out)
         except RuntimeError as e:  # the ring backend's "connection to a peer was lost"

@@ -34,6 +34,7 @@ from mlx.utils import tree_flatten
 
 from ..config import TextConfig
 from ..errors import OptionError
+from .traffic import Traffic
 
 # Weights only the first rank reads: the media encoders and the per-layer embeddings it makes.
 FIRST_RANK_ONLY = (
@@ -96,6 +97,7 @@ class PipelineStage:
     counts: list[int]
     dtype: mx.Dtype = mx.float32  # the activations' type on the wire (set from the weights when loaded)
     drafter_sources: list[int] = field(default_factory=list)  # target layers a drafter reads (use_drafter_sources)
+    traffic: Traffic = field(default_factory=Traffic)  # what this process sends and receives (the statistics)
     bounds: list[tuple[int, int]] = field(init=False)
     shared_sources: list[int] = field(default_factory=list, init=False)  # of those, the ones gathered (share_sources)
     _key_norms: dict = field(default_factory=dict, init=False, repr=False)  # K=V sources' k_norm weights, as gathered
@@ -218,6 +220,7 @@ class PipelineStage:
                 parts += [mx.zeros(shape, self.dtype) for shape in self._shared_shapes(s, B, L)]
         flat = mx.depends(mx.concatenate([p.astype(self.dtype).reshape(-1) for p in parts]), after)
         gathered = mx.distributed.all_gather(flat, group=self.group)
+        self.traffic.add(gathered.nbytes)
         at, fetched = 0, []
         for s in self.shared_sources:
             pieces = []
@@ -277,6 +280,7 @@ class PipelineStage:
         shapes = self._shapes(self.start, batch, length)
         sizes = [math.prod(s) for s in shapes]
         flat = mx.distributed.recv((sum(sizes),), self.dtype, self.rank - 1, group=self.group)
+        self.traffic.add(flat.nbytes)
         parts, at = [], 0
         for shape, n in zip(shapes, sizes):
             parts.append(flat[at : at + n].reshape(shape))
@@ -296,6 +300,7 @@ class PipelineStage:
             parts += list(kv[s])
         flat = mx.concatenate([p.astype(self.dtype).reshape(-1) for p in parts])
         sent = mx.distributed.send(flat, self.rank + 1, group=self.group)
+        self.traffic.add(flat.nbytes)
         if cache is not None:
             cache[-1].sent = sent
         return mx.depends(h, sent)
@@ -303,6 +308,7 @@ class PipelineStage:
     def from_last(self, h: mx.array) -> mx.array:
         """The last rank's ``h`` on every rank (an ``all_gather``; the others' parts are dropped)."""
         gathered = mx.distributed.all_gather(h.astype(self.dtype), group=self.group)
+        self.traffic.add(gathered.nbytes)
         b = h.shape[0]
         return gathered[(self.size - 1) * b : self.size * b].astype(h.dtype)
 

@@ -25,13 +25,30 @@ from mlx.nn.layers.distributed import shard_inplace, shard_linear
 from ..errors import OptionError
 
 
+def kv_heads_kept(q_heads: int, kv_heads: int, size: int, rank: int) -> tuple[int, int] | None:
+    """``(first, count)``: the K/V heads process ``rank`` of ``size`` holds, so that its share of the
+    query heads reads them in the same GQA groups: its share of them when they divide; all of a
+    single one; the one its query heads all read when each group spans several processes (E4B's 2
+    heads on 4); None when the heads cannot be split so."""
+    if q_heads % size:
+        return None
+    if kv_heads % size == 0:
+        return rank * (kv_heads // size), kv_heads // size
+    if kv_heads == 1:
+        return 0, 1
+    mine, group = q_heads // size, q_heads // kv_heads
+    if q_heads % kv_heads == 0 and group % mine == 0:
+        return rank * mine // group, 1
+    return None
+
+
 def check_divisible(text, size: int) -> None:
     """Raise :class:`OptionError` when the model's attention heads do not split ``size`` ways."""
     problems = []
     if text.num_attention_heads % size:
         problems.append(f"{text.num_attention_heads} attention heads")
     for spec in text.layers:
-        if not spec.is_kv_shared and spec.num_kv_heads % size and spec.num_kv_heads != 1:
+        if kv_heads_kept(text.num_attention_heads, spec.num_kv_heads, size, 0) is None and text.num_attention_heads % size == 0:
             problems.append(f"{spec.num_kv_heads} K/V heads")
     if problems:
         raise OptionError(
@@ -100,14 +117,17 @@ def shard_layer(layer, group: mx.distributed.Group) -> None:
     same GQA groups), the output projection summed, the MLP's and experts' hidden units."""
     size = group.size()
     attn, spec = layer.self_attn, layer.spec
+    first, count = kv_heads_kept(attn.n_heads, spec.num_kv_heads, size, group.rank())
     shard_inplace(attn.q_proj, "all-to-sharded", group=group)
     attn.n_heads //= size
-    if spec.num_kv_heads % size == 0:  # else every process computes the single K/V head
-        if not spec.is_kv_shared:
-            shard_inplace(attn.k_proj, "all-to-sharded", group=group)
-            if "v_proj" in attn:  # K=V layers have none
-                shard_inplace(attn.v_proj, "all-to-sharded", group=group)
-        attn.n_kv_heads //= size
+    projections = [] if spec.is_kv_shared else [attn.k_proj] + ([attn.v_proj] if "v_proj" in attn else [])  # K=V: no v_proj
+    if count * size == spec.num_kv_heads:  # an equal share each
+        for proj in projections:
+            shard_inplace(proj, "all-to-sharded", group=group)
+    elif count < spec.num_kv_heads:  # the one head this process's query heads read (by hand: not an equal split)
+        for proj in projections:
+            _rows(proj, first * attn.head_dim, (first + count) * attn.head_dim)
+    attn.n_kv_heads = count  # else every process computes the single K/V head
     attn.o_proj = shard_linear(attn.o_proj, "sharded-to-all", group=group)
     mlp = layer.mlp
     split_glu(mlp.gate_proj, mlp.up_proj, mlp.down_proj, group)
@@ -126,16 +146,20 @@ def shard_layers(model, group: mx.distributed.Group) -> None:
     model.language_model.tensor_group = group  # a drafter meeting this model is split alike (shard_drafter)
 
 
-def shard_drafter(drafter, group: mx.distributed.Group) -> None:
+def shard_drafter(drafter, group: mx.distributed.Group, target_query_heads: int | None = None) -> None:
     """Split a drafter's layers as the target's (:func:`shard_layer`), so that its query heads read
     the K/V heads this process holds; its embeddings, LM head and projections stay whole."""
     size, tc = group.size(), drafter.config.text_config
+    target_heads = target_query_heads if target_query_heads is not None else tc.num_attention_heads
     problems = [f"{tc.num_attention_heads} attention heads"] if tc.num_attention_heads % size else []
-    problems += [f"{s.num_kv_heads} K/V heads" for s in drafter.config.layer_specs() if s.num_kv_heads % size and s.num_kv_heads != 1]
+    for s in drafter.config.layer_specs() if not problems else ():
+        kept = [kv_heads_kept(tc.num_attention_heads, s.num_kv_heads, size, r) for r in range(size)]
+        if None in kept or kept != [kv_heads_kept(target_heads, s.num_kv_heads, size, r) for r in range(size)]:
+            problems.append(f"{s.num_kv_heads} K/V heads (for its {tc.num_attention_heads} query heads)")
     if problems:
         raise OptionError(
-            f"tensor parallelism cannot split the draft model's {' or '.join(sorted(set(problems)))} {size} ways: "
-            "use a number of processes dividing them, or --parallel pipeline"
+            f"tensor parallelism cannot split the draft model's {' or '.join(sorted(set(problems)))} {size} ways "
+            "as the target's: use another number of processes, or --parallel pipeline"
         )
     for layer in drafter.layers:
         shard_layer(layer, group)

@@ -481,7 +481,7 @@ def _lockstep(model):
     group = getattr(model.language_model, "group", None)
     if group is None:
         return None
-    return Lockstep(group, model.watchdog)
+    return Lockstep(group, model.watchdog, model.traffic)
 
 
 _ENGINES: "weakref.WeakSet[ChatEngine]" = weakref.WeakSet()

@@ -225,7 +225,7 @@ def fit_to_processes(drafter, model) -> None:
     if group is not None and drafter.tensor_group is None:
         from ..distributed.tensor import shard_drafter
 
-        shard_drafter(drafter, group)
+        shard_drafter(drafter, group, model.text_config.num_attention_heads)
     if text.stage is not None:
         text.stage.use_drafter_sources(_source_layers(model, drafter.layer_types).values())
 

@@ -91,7 +91,7 @@ def stream_generate(
     opts = GenerationOptions(**options)
     if opts.seed is None and opts.temperature > 0 and getattr(model, "group", None) is not None:
         # A sharded model: every process runs this call and must draw the same samples.
-        opts.seed = Lockstep(model.group, model.watchdog).leaders(fresh_seed())
+        opts.seed = Lockstep(model.group, model.watchdog, model.traffic).leaders(fresh_seed())
     drafter = _drafter(draft_model, model, opts, num_draft_tokens)
     cached = cache[0].offset if cache else 0
     request = prepare_request(model, processor, prompt, opts, cached, images, audio, videos)
