@@ -249,6 +249,23 @@ def test_sharded_generation_from_the_command_line(checkpoints):
     assert done.stdout == expected + "\n" and expected
     assert "rank 0: layers 0-1, rank 1: layers 2-5" in done.stderr
     assert "[rank 0] prompt:" in done.stderr and "[rank 1] prompt:" in done.stderr  # each process's statistics
+    assert "communication: " in done.stderr and "on the link" in done.stderr
+
+
+def test_tensor_parallel_speculative_generation_from_the_command_line(checkpoints, tmp_path):
+    """``mlx.launch -n 2 gemma4-generate --parallel tensor --draft-model ...``: one process's text."""
+    from checkpoints import build_hf_assistant
+
+    build_hf_assistant("moe26b").save_pretrained(tmp_path / "drafter")
+    model, processor = gemma4_mlx.load(checkpoints["moe26b"])
+    expected = gemma4_mlx.generate(model, processor, [{"role": "user", "content": "hello"}], max_tokens=12)
+    args = ["--model", str(checkpoints["moe26b"]), "--prompt", "hello", "--max-tokens", "12", "--parallel", "tensor",
+            "--draft-model", str(tmp_path / "drafter")]  # fmt: skip
+    cmd = [str(LAUNCH), "-n", "2", "--backend", "ring", sys.executable, "-m", "gemma4_mlx", *args]
+    done = subprocess.run(cmd, capture_output=True, text=True, timeout=180)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert done.stdout == expected + "\n" and expected
+    assert "tensor over 2 processes: every layer split" in done.stderr and "drafts: " in done.stderr
 
 
 def free_ports(n: int) -> list[int]:
