@@ -122,7 +122,11 @@ class ModelHolder:
 
             self.engine = ChatEngine(model, processor, draft_model=drafter, max_caches=KEPT_CONVERSATIONS, cache_memory=device_memory() // 4)
             with_drafter = f", drafting with {self.drafter_name}" if drafter is not None else (f" ({why_not})" if why_not else "")
-            self.status = f"Ready: {self.name} ({time.perf_counter() - tic:.1f} s to load){with_drafter}"
+            shared = ""
+            if self.group is not None:  # under mlx.launch
+                how = model.stage.describe() if model.stage is not None else "every layer split"
+                shared = f", {self.parallel} over {self.group.size()} processes ({how})"
+            self.status = f"Ready: {self.name} ({time.perf_counter() - tic:.1f} s to load){shared}{with_drafter}"
         except _Cancelled:
             self.error = "the app is exiting"
             self.status = f"Not loaded: {self.error}"

@@ -192,4 +192,4 @@ def test_the_app_under_mlx_launch_serves_from_process_0(folders):
     finally:
         os.killpg(launch.pid, signal.SIGTERM)
         _, err = launch.communicate(timeout=30)
-    assert "python -m app (process 1): Ready" in err and "following process 0" in err
+    assert "python -m app (process 1): Ready" in err and "tensor over 2 processes (every layer split)" in err and "following process 0" in err
