@@ -7,6 +7,8 @@ import os
 import sys
 from typing import Any
 
+from .distributed.watchdog import EXIT_CODE as EXIT_PEER_LOST
+from .errors import PeerLostError
 from .generation.options import GenerationOptions
 from .generation.speculative import DEFAULT_DRAFT_TOKENS
 from .generation.stream import stream_generate
@@ -89,6 +91,9 @@ def main(argv: list[str] | None = None) -> int:
         if last is not None and not args.quiet:
             where = f"[rank {group.rank()}] " if group is not None else ""
             print(where + last.summary(), file=sys.stderr)
+    except PeerLostError as e:
+        print(f"error: {e}. Stopping.", file=sys.stderr)
+        return EXIT_PEER_LOST
     except (OSError, ValueError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 1

@@ -282,30 +282,39 @@ def free_ports(n: int) -> list[int]:
 
 def test_a_dead_or_unreachable_peer_stops_the_others_with_a_message(checkpoints, tmp_path):
     """Processes started by hand (no mlx.launch to stop the rest): when process 1 dies mid-reply,
-    process 0 says so and exits within the limit; a process whose peer never starts says it could
-    not connect. (MLX's ring backend alone would wait forever in both cases.)"""
+    process 0 says so and exits within the limit, in a pipeline and under tensor parallelism; a
+    process whose peer never starts says it could not connect. (MLX's ring backend alone would wait
+    forever in the first and last cases.)"""
     import time
 
     env = {**os.environ, "GEMMA4_MLX_DISTRIBUTED_TIMEOUT": "4"}
-    pair, lone = tmp_path / "pair.json", tmp_path / "lone.json"
-    a, b, c, d = free_ports(4)
-    pair.write_text(json.dumps([[f"127.0.0.1:{a}"], [f"127.0.0.1:{b}"]]))
-    lone.write_text(json.dumps([[f"127.0.0.1:{c}"], [f"127.0.0.1:{d}"]]))
-    request = json.dumps([{"model": str(checkpoints["e2b"]), "split": "6,4", "prompt": PROMPT, "options": {"max_tokens": 200}, "die": [1, 3]}])
+    hostfiles = [tmp_path / f"{name}.json" for name in ("pair", "lone", "tensor")]
+    ports = free_ports(6)
+    for i, hostfile in enumerate(hostfiles):
+        hostfile.write_text(json.dumps([[f"127.0.0.1:{ports[2 * i]}"], [f"127.0.0.1:{ports[2 * i + 1]}"]]))
+    request = {"model": str(checkpoints["e2b"]), "split": "6,4", "prompt": PROMPT, "options": {"max_tokens": 200}, "die": [1, 3]}
+    tensor = {**request, "model": str(checkpoints["dense31b"]), "parallel": "tensor", "split": None}
 
-    def start(hostfile, rank):
-        return subprocess.Popen([sys.executable, str(WORKER), request], env={**env, "MLX_HOSTFILE": str(hostfile), "MLX_RANK": str(rank)},
+    def start(hostfile, rank, request=request):
+        return subprocess.Popen([sys.executable, str(WORKER), json.dumps([request])], env={**env, "MLX_HOSTFILE": str(hostfile), "MLX_RANK": str(rank)},
                                 stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)  # fmt: skip
 
     began = time.monotonic()
-    survivor, dying, alone = start(pair, 0), start(pair, 1), start(lone, 0)
-    outputs = {name: p.communicate(timeout=120) for name, p in (("survivor", survivor), ("dying", dying), ("alone", alone))}
+    pair, lone, split = hostfiles
+    processes = {"survivor": start(pair, 0), "dying": start(pair, 1), "alone": start(lone, 0),
+                 "tensor survivor": start(split, 0, tensor), "tensor dying": start(split, 1, tensor)}  # fmt: skip
+    outputs = {name: p.communicate(timeout=120)[1] for name, p in processes.items()}
+    codes = {name: p.returncode for name, p in processes.items()}
     assert time.monotonic() - began < 100
-    assert dying.returncode == 3
-    assert survivor.returncode == 75, outputs["survivor"][1][-2000:]
-    assert "error: process 0 of 2: a forward pass got no answer from the other processes in 4 s" in outputs["survivor"][1]
-    assert alone.returncode == -9, outputs["alone"][1][-2000:]
-    assert "error: process 0 could not connect to the other processes in 4 s" in outputs["alone"][1]
+    assert codes["dying"] == codes["tensor dying"] == 3
+    # A pipeline's receive waits on a dead peer's socket: the time limit ends it.
+    assert codes["survivor"] == 75, outputs["survivor"][-2000:]
+    assert "error: process 0 of 2: a forward pass got no answer from the other processes in 4 s" in outputs["survivor"]
+    # Tensor parallelism's sums see the socket close.
+    assert codes["tensor survivor"] != 0, outputs["tensor survivor"][-2000:]
+    assert "PeerLostError: process 0 of 2: another process stopped or cannot be reached" in outputs["tensor survivor"]
+    assert codes["alone"] == -9, outputs["alone"][-2000:]
+    assert "error: process 0 could not connect to the other processes in 4 s" in outputs["alone"]
 
 
 def test_a_process_reads_and_downloads_only_its_shards(tmp_path, monkeypatch):

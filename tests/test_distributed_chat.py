@@ -33,6 +33,7 @@ def folders(tmp_path_factory):
     return {
         "e2b_mm": save_checkpoint(build_hf_model("e2b", vision_config=SMALL_VIT, audio_config=AUDIO), root / "e2b_mm"),
         "moe26b": save_checkpoint(build_hf_model("moe26b"), root / "moe26b"),
+        "moe26b_6h": save_checkpoint(build_hf_model("moe26b", num_attention_heads=6, num_key_value_heads=3), root / "moe26b_6h"),
         "dense31b": save_checkpoint(build_hf_model("dense31b"), root / "dense31b"),
         "media": root,
     }
@@ -75,9 +76,8 @@ def run_alone(path: Path, script: dict) -> list[dict]:
 
 
 @pytest.mark.parametrize("model, n, parallel, split", [
-    ("e2b_mm", 2, "pipeline", "5,5"),  # the first process encodes the media
-    ("e2b_mm", 2, "tensor", None),  # every process encodes them (from the bytes process 0 sent)
-    ("moe26b", 3, "pipeline", None),
+    ("e2b_mm", 2, "pipeline", "5,5"),  # the first process encodes the media (test_distributed: every one, under tensor)
+    ("moe26b_6h", 3, "tensor", None),  # six heads split three ways; the stops agreed between the layers' sums
     ("dense31b", 2, "pipeline", "6,2"),  # with a drafter, whose sources are gathered to process 0
 ])  # fmt: skip
 def test_a_sharded_chat_replies_as_one_process(folders, model, n, parallel, split, tmp_path):

@@ -1,8 +1,11 @@
 """Gemma 4 across several machines with MLX's distributed layer (``mx.distributed``, started by
 ``mlx.launch``: the ring backend over TCP, JACCL over Thunderbolt RDMA).
 
-``load_sharded(path, group)`` gives each process its part of the model; every process then runs the
-same generation code. :mod:`.pipeline` splits the decoder's layers across the processes.
+``load_sharded(path, group, parallel=...)`` gives each process its part of the model: a run of the
+decoder's layers (:mod:`.pipeline`) or a share of every layer (:mod:`.tensor`). Every process then
+runs the same generation code (``stream_generate``), or process 0 takes a chat's requests and the
+others follow (:mod:`.lockstep`, ``ChatEngine.follow``). :mod:`.traffic` counts what crosses between
+them; :mod:`.watchdog` bounds every wait on the others.
 """
 
 from __future__ import annotations
@@ -134,4 +137,4 @@ def load_sharded(
     return model, processor
 
 
-__all__ = ["load_sharded", "plan_pipeline", "world", "PipelineStage", "split_layers", "PARALLEL_MODES"]
+__all__ = ["load_sharded", "plan_pipeline", "world", "PipelineStage", "split_layers", "Traffic", "PARALLEL_MODES"]

@@ -17,9 +17,11 @@ broadcast); there is no other channel between the processes.
 
 from __future__ import annotations
 
+import contextlib
 import io
 import json
 import os
+import re
 import secrets
 import tempfile
 import threading
@@ -33,6 +35,7 @@ from ..errors import OptionError, PeerLostError
 from .traffic import Traffic
 
 MEDIA_KINDS = ("image", "audio", "video")
+MAX_PARTS = 64  # a request's JSON and up to 63 media files
 
 
 class Lockstep:
@@ -62,10 +65,8 @@ class Lockstep:
         out = op(array, group=self.group, stream=GENERATION_STREAM)
         if self.traffic is not None:
             self.traffic.add(out.nbytes)
-        try:
+        with peers_watched(self.group):
             mx.eval(out)
-        except RuntimeError as e:  # the ring backend's "connection to a peer was lost"
-            raise PeerLostError(f"process {self.rank} of {self.size}: another process stopped or cannot be reached ({e})") from None
         return out
 
     def _watched(self, what: str, fn, timeout: float | None = None):
@@ -81,32 +82,33 @@ class Lockstep:
         """Process 0's ``message`` (JSON) and ``blobs`` on every process (the others pass nothing)."""
         if self.leads:
             payload = [json.dumps(message).encode(), *blobs]
-            sizes = mx.array([len(p) for p in payload] + [0] * (64 - len(payload)), dtype=mx.int64)
-            if len(payload) > 64:
-                raise OptionError("at most 63 media items can be shared with the other processes in one request")
+            if len(payload) > MAX_PARTS:
+                raise OptionError(f"at most {MAX_PARTS - 1} media items can be shared with the other processes in one request")
+            header = [len(payload)] + [len(p) for p in payload]
         else:
-            sizes = mx.zeros((64,), dtype=mx.int64)
+            header = []
+        # int32 throughout: what every backend and device sums (a request stays far below 2 GB).
+        sizes = mx.array(header + [0] * (MAX_PARTS + 1 - len(header)), dtype=mx.int32)
         # A follower waits for the next request as long as heartbeats come (see ChatEngine.follow).
         limit = None if self.watchdog is None else self.watchdog.timeout
-        sizes = self._watched("waiting for process 0", lambda: self._sum(sizes), limit).tolist()
+        count, *sizes = self._watched("waiting for process 0", lambda: self._sum(sizes), limit).tolist()
+        sizes = sizes[:count]
         total = sum(sizes)
         if self.leads:
-            data = mx.array(np.frombuffer(b"".join(payload), dtype=np.uint8)) if total else mx.zeros((0,), mx.uint8)
+            data = mx.array(np.frombuffer(b"".join(payload), dtype=np.uint8))
         else:
             data = mx.zeros((total,), dtype=mx.uint8)
-        if total:
-            data = self._watched("receiving a request from process 0", lambda: self._sum(data))
-        raw = np.array(data).tobytes() if total else b""
+        data = self._watched("receiving a request from process 0", lambda: self._sum(data))
+        raw = np.array(data).tobytes()
         parts, at = [], 0
         for n in sizes:
             parts.append(raw[at : at + n])
             at += n
-        count = next((i for i, n in enumerate(sizes) if n == 0), len(sizes))
-        return json.loads(parts[0]), parts[1:count] if count > 1 else []
+        return json.loads(parts[0]), parts[1:]
 
     def leaders(self, value: int) -> int:
-        """Process 0's ``value`` on every process."""
-        mine = mx.array([value if self.leads else 0], dtype=mx.int64)
+        """Process 0's ``value`` (an int32) on every process."""
+        mine = mx.array([value if self.leads else 0], dtype=mx.int32)
         return int(self._watched("agreeing with the other processes", lambda: self._sum(mine)).item())
 
     def gather(self, values: list[float]) -> list[list[float]]:
@@ -117,8 +119,20 @@ class Lockstep:
 
     def most(self, value: int) -> int:
         """The largest of every process's ``value``."""
-        mine = mx.array([value], dtype=mx.int64)
+        mine = mx.array([value], dtype=mx.int32)
         return int(self._watched("agreeing with the other processes", lambda: self._collective(mx.distributed.all_max, mine)).item())
+
+
+@contextlib.contextmanager
+def peers_watched(group: mx.distributed.Group | None):
+    """Turn the distributed backend's error for a peer gone (the ring backend's "connection to a
+    peer was lost") into a :class:`PeerLostError` naming this process."""
+    try:
+        yield
+    except RuntimeError as e:
+        if group is None or isinstance(e, PeerLostError) or not re.search(r"\[(ring|jaccl|mpi)\]|peer", str(e)):
+            raise
+        raise PeerLostError(f"process {group.rank()} of {group.size()}: another process stopped or cannot be reached ({e})") from None
 
 
 class AgreedStop:
@@ -205,5 +219,6 @@ def unpack_request(message: dict, blobs: list[bytes], cleanup: ExitStack) -> tup
 
 
 def fresh_seed() -> int:
-    """A seed process 0 draws for a sampled reply that names none: every process must sample alike."""
-    return secrets.randbits(63)
+    """A seed process 0 draws for a sampled reply that names none: every process must sample alike
+    (31 bits: it travels as an int32)."""
+    return secrets.randbits(31)

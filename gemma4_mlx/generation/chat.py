@@ -15,21 +15,22 @@ from __future__ import annotations
 
 import atexit
 import copy
-import dataclasses
 import queue
 import sys
 import threading
 import weakref
 from collections import OrderedDict
 from contextlib import ExitStack
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field, fields, replace
 from typing import Any, Iterator
 
 import mlx.core as mx
 import numpy as np
 from mlx_lm.utils import maybe_set_recommended_wired_limit
 
-from ..errors import OptionError
+from ..distributed.lockstep import AgreedStop, Lockstep, fresh_seed, pack_request, peers_watched, unpack_request
+from ..distributed.traffic import Traffic
+from ..errors import OptionError, PeerLostError
 from ..memory import check_fits
 from ..modalities import MODALITIES
 from .decode import GENERATION_STREAM, generate_tokens
@@ -37,8 +38,6 @@ from .speculative import DEFAULT_DRAFT_TOKENS, SpeculativeStats, fit_to_processe
 from .options import GenerationOptions
 from .pipeline import Timing, prepare_request
 from .prompt_cache import PromptCache, PromptCachePool
-from ..distributed.lockstep import AgreedStop, Lockstep, fresh_seed, pack_request, unpack_request
-from ..distributed.traffic import Traffic
 from .reply import Reply, ReplySplitter
 
 
@@ -270,8 +269,11 @@ class ChatEngine:
                 messages, options = unpack_request(message, blobs, cleanup)
                 o = ReplyOptions(**options, stop_event=AgreedStop(lockstep, None))
                 try:
-                    for _ in self._stream(messages, o):
-                        pass
+                    with peers_watched(lockstep.group):
+                        for _ in self._stream(messages, o):
+                            pass
+                except PeerLostError:
+                    raise
                 except Exception as e:  # process 0 met the same error and reports it to its caller
                     print(f"[rank {lockstep.rank}] request failed: {type(e).__name__}: {e}", file=sys.stderr, flush=True)
             if self.model.watchdog is not None:
@@ -281,13 +283,14 @@ class ChatEngine:
         """Process 0 of a sharded model: hand the request to the followers, then run it with them."""
         lockstep = self.lockstep
         if o.seed is None and o.temperature > 0:  # every process must draw the same samples
-            o = dataclasses.replace(o, seed=fresh_seed())
+            o = replace(o, seed=fresh_seed())
         with ExitStack() as cleanup:
-            options = {f.name: getattr(o, f.name) for f in dataclasses.fields(o)}
+            options = {f.name: getattr(o, f.name) for f in fields(o)}
             message, blobs = pack_request(messages, options, cleanup)
             lockstep.share(message, blobs)
         try:
-            yield from self._stream(messages, dataclasses.replace(o, stop_event=AgreedStop(lockstep, o.stop_event)))
+            with peers_watched(lockstep.group):
+                yield from self._stream(messages, replace(o, stop_event=AgreedStop(lockstep, o.stop_event)))
         finally:
             if self.model.watchdog is not None:
                 self.model.watchdog.idle()

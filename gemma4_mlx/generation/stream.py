@@ -11,7 +11,7 @@ from typing import Any, Callable, Generator
 import mlx.core as mx
 from mlx_lm.generate import wired_limit
 
-from ..distributed.lockstep import Lockstep, fresh_seed
+from ..distributed.lockstep import Lockstep, fresh_seed, peers_watched
 from ..distributed.traffic import Traffic
 from ..errors import OptionError
 from ..memory import check_fits
@@ -113,7 +113,6 @@ def _stream_chunks(model, ids, cache, request, opts, drafter, num_draft_tokens, 
     detokenizer.reset()
     timing = Timing(prefilled=len(ids))
     stats = None
-    traffic = model.traffic.copy() if getattr(model, "traffic", None) is not None else None
     if drafter is None:
         tokens = generate_tokens(
             model, mx.array(ids), cache, request.max_tokens, request.sampler, request.logits_processors,
@@ -126,34 +125,36 @@ def _stream_chunks(model, ids, cache, request, opts, drafter, num_draft_tokens, 
             opts.make_distribution(), num_draft_tokens, opts.prefill_step_size, prompt_progress, inputs_embeds,
             vision_blocks=request.vision_blocks, stats=stats,
         )  # fmt: skip
-    for tok, logprobs in tokens:
-        timing.token()
-        finish = None
-        if tok in eos:
-            finish = "stop"
-        else:
-            detokenizer.add_token(tok)
-            if timing.tokens == request.max_tokens:
-                finish = "length"
-        if finish:
-            detokenizer.finalize()
-        if getattr(model, "watchdog", None) is not None:  # several processes: this token's pass is done
-            model.watchdog.idle()  # and the caller may take its time
-        yield GenerationChunk(
-            text=detokenizer.last_segment,
-            token=tok,
-            finish_reason=finish,
-            prompt_tokens=len(ids),
-            prompt_tps=timing.prompt_tps,
-            generation_tokens=timing.tokens,
-            generation_tps=timing.generation_tps,
-            peak_memory=timing.peak_memory,
-            logprobs=logprobs,
-            draft=stats,
-            traffic=None if traffic is None else model.traffic.since(traffic),
-        )
-        if finish:
-            return
+    traffic = model.traffic.copy() if getattr(model, "traffic", None) is not None else None
+    with peers_watched(getattr(model, "group", None)):  # a sharded model: a peer gone is said plainly
+        for tok, logprobs in tokens:
+            timing.token()
+            finish = None
+            if tok in eos:
+                finish = "stop"
+            else:
+                detokenizer.add_token(tok)
+                if timing.tokens == request.max_tokens:
+                    finish = "length"
+            if finish:
+                detokenizer.finalize()
+            if getattr(model, "watchdog", None) is not None:  # several processes: this token's pass is done
+                model.watchdog.idle()  # and the caller may take its time
+            yield GenerationChunk(
+                text=detokenizer.last_segment,
+                token=tok,
+                finish_reason=finish,
+                prompt_tokens=len(ids),
+                prompt_tps=timing.prompt_tps,
+                generation_tokens=timing.tokens,
+                generation_tps=timing.generation_tps,
+                peak_memory=timing.peak_memory,
+                logprobs=logprobs,
+                draft=stats,
+                traffic=None if traffic is None else model.traffic.since(traffic),
+            )
+            if finish:
+                return
 
 
 def _drafter(draft_model, model, opts: GenerationOptions, num_draft_tokens):
