@@ -25,9 +25,17 @@ WORKER = Path(__file__).parent / "distributed_worker.py"
 LAUNCH = Path(sys.executable).parent / "mlx.launch"
 
 
+def ring(n: int) -> list[str]:
+    """``mlx.launch`` of ``n`` processes over the ring backend, on ports of their own (the ones a
+    launch just before used may still be closing)."""
+    import random
+
+    return [str(LAUNCH), "-n", str(n), "--backend", "ring", "--starting-port", str(random.randrange(20000, 60000))]
+
+
 def launch(n: int, requests: list[dict], timeout: float = 300) -> list[list[dict]]:
     """Run the worker in ``n`` processes over ``requests``; per request, the processes' JSON lines by rank."""
-    cmd = [str(LAUNCH), "-n", str(n), "--backend", "ring", sys.executable, str(WORKER), json.dumps(requests)]
+    cmd = [*ring(n), sys.executable, str(WORKER), json.dumps(requests)]
     done = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=os.environ.copy())
     lines = [json.loads(l) for l in done.stdout.splitlines() if l.startswith("{")]
     assert done.returncode == 0 and len(lines) == n * len(requests), f"rc {done.returncode}\n{done.stdout}\n{done.stderr[-3000:]}"
@@ -243,7 +251,7 @@ def test_sharded_generation_from_the_command_line(checkpoints):
     model, processor = gemma4_mlx.load(checkpoints["moe26b"])
     expected = gemma4_mlx.generate(model, processor, [{"role": "user", "content": "hello"}], max_tokens=12)
     args = ["--model", str(checkpoints["moe26b"]), "--prompt", "hello", "--max-tokens", "12", "--split", "2,4"]
-    cmd = [str(LAUNCH), "-n", "2", "--backend", "ring", sys.executable, "-m", "gemma4_mlx", *args]
+    cmd = [*ring(2), sys.executable, "-m", "gemma4_mlx", *args]
     done = subprocess.run(cmd, capture_output=True, text=True, timeout=180)
     assert done.returncode == 0, done.stderr[-2000:]
     assert done.stdout == expected + "\n" and expected
@@ -261,7 +269,7 @@ def test_tensor_parallel_speculative_generation_from_the_command_line(checkpoint
     expected = gemma4_mlx.generate(model, processor, [{"role": "user", "content": "hello"}], max_tokens=12)
     args = ["--model", str(checkpoints["moe26b"]), "--prompt", "hello", "--max-tokens", "12", "--parallel", "tensor",
             "--draft-model", str(tmp_path / "drafter")]  # fmt: skip
-    cmd = [str(LAUNCH), "-n", "2", "--backend", "ring", sys.executable, "-m", "gemma4_mlx", *args]
+    cmd = [*ring(2), sys.executable, "-m", "gemma4_mlx", *args]
     done = subprocess.run(cmd, capture_output=True, text=True, timeout=180)
     assert done.returncode == 0, done.stderr[-2000:]
     assert done.stdout == expected + "\n" and expected

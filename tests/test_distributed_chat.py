@@ -6,7 +6,6 @@ and unseeded sampling and a request that fails; every process ends with the same
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -15,12 +14,12 @@ from pathlib import Path
 import pytest
 from checkpoints import AUDIO, SMALL_VIT, build_hf_assistant, build_hf_model, save_checkpoint
 from helpers import random_image, tone
+from test_distributed import ring
 
 from gemma4_mlx import Chat
 from gemma4_mlx.loading import load
 
 WORKER = Path(__file__).parent / "chat_worker.py"
-LAUNCH = Path(sys.executable).parent / "mlx.launch"
 
 
 @pytest.fixture(scope="module")
@@ -85,7 +84,7 @@ def test_a_sharded_chat_replies_as_one_process(folders, model, n, parallel, spli
     if model == "dense31b":
         build_hf_assistant("dense31b").save_pretrained(tmp_path / "drafter")
         s["draft"] = str(tmp_path / "drafter")
-    cmd = [str(LAUNCH), "-n", str(n), "--backend", "ring", sys.executable, str(WORKER), str(folders[model]), parallel, json.dumps(s)]
+    cmd = [*ring(n), sys.executable, str(WORKER), str(folders[model]), parallel, json.dumps(s)]
     done = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
     lines = [json.loads(l) for l in done.stdout.splitlines() if l.startswith("{")]
     assert done.returncode == 0, done.stderr[-3000:]
@@ -162,7 +161,7 @@ def test_the_app_under_mlx_launch_serves_from_process_0(folders):
 
     port = free_ports(1)[0]
     args = ["-m", "app", "--model", str(folders["moe26b"]), "--api-only", "--port", str(port), "--parallel", "tensor", "--no-draft"]
-    launch = subprocess.Popen([str(LAUNCH), "-n", "2", "--backend", "ring", sys.executable, *args], stdout=subprocess.PIPE,
+    launch = subprocess.Popen([*ring(2), sys.executable, *args], stdout=subprocess.PIPE,
                               stderr=subprocess.PIPE, text=True, start_new_session=True)  # fmt: skip
     body = {"model": "m", "messages": [{"role": "user", "content": "hello"}], "max_tokens": 8, "temperature": 0}
 

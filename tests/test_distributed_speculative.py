@@ -4,15 +4,10 @@ parallelism (every process drafts from its copies of the layers the drafter read
 runs them) and tensor parallelism (the drafter split as the target). The drafters keep some drafts
 depending on their exact output (distributed_worker.agreeing): processes drafting apart would part ways."""
 
-import json
-import os
-import random
-import subprocess
-import sys
 
 import pytest
 from checkpoints import build_hf_assistant, build_hf_model, save_checkpoint
-from test_distributed import LAUNCH, PROMPT, WORKER, FakeGroup, single_process
+from test_distributed import PROMPT, FakeGroup, launch, single_process
 
 import mlx.core as mx
 from mlx_lm.sample_utils import make_sampler
@@ -31,16 +26,6 @@ def folders(tmp_path_factory):
         build_hf_assistant(name, ordered=name == "e2b").save_pretrained(root / f"{name}_drafter")
         paths[f"{name}_drafter"] = root / f"{name}_drafter"
     return paths
-
-
-def launch(n: int, requests: list[dict]) -> list[list[dict]]:
-    """test_distributed's launch, on ports of its own (other launches may run beside it)."""
-    port = str(random.randrange(20000, 60000))
-    cmd = [str(LAUNCH), "-n", str(n), "--backend", "ring", "--starting-port", port, sys.executable, str(WORKER), json.dumps(requests)]
-    done = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env=os.environ.copy())
-    lines = [json.loads(l) for l in done.stdout.splitlines() if l.startswith("{")]
-    assert done.returncode == 0 and len(lines) == n * len(requests), f"rc {done.returncode}\n{done.stdout}\n{done.stderr[-3000:]}"
-    return [sorted((l for l in lines if l["index"] == i), key=lambda l: l["rank"]) for i in range(len(requests))]
 
 
 # (model, processes, parallel, split, drafted per step, options); one launch per process count.
