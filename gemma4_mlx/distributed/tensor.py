@@ -3,9 +3,9 @@ group, as mlx-lm shards the models it supports.
 
 Per layer:
 
-* attention: the query heads, and the K/V heads where their count divides (else one K/V head, as in
-  E2B/E4B and the 12B's full layers, which every process computes), are split among the processes
-  with MLX's ``shard_inplace`` (``all-to-sharded``: no communication); the output projection is
+* attention: the query heads, and the K/V heads where their count divides (else the one K/V head
+  a process's query heads read, see :func:`kv_heads_kept`), are split among the processes with
+  MLX's ``shard_inplace`` (``all-to-sharded``: no communication); the output projection is
   MLX's ``shard_linear(..., "sharded-to-all")``, which sums the parts (one ``all_sum``);
 * the dense MLP and each MoE expert: their hidden units split (gate and up rows, down columns) and
   the output summed (one ``all_sum`` each). Split by hand (:func:`split_glu`), because MLX's helpers
@@ -40,6 +40,11 @@ def kv_heads_kept(q_heads: int, kv_heads: int, size: int, rank: int) -> tuple[in
     if q_heads % kv_heads == 0 and group % mine == 0:
         return rank * mine // group, 1
     return None
+
+
+def kv_heads_held(q_heads: int, kv_heads: int, size: int) -> int:
+    """How many K/V heads each process holds (the same on every one; see :func:`kv_heads_kept`)."""
+    return kv_heads_kept(q_heads, kv_heads, size, 0)[1]
 
 
 def check_divisible(text, size: int) -> None:
@@ -143,6 +148,8 @@ def shard_layers(model, group: mx.distributed.Group) -> None:
     check_divisible(model.text_config, group.size())
     for layer in model.layers:
         shard_layer(layer, group)
+    # Each forward pass sums every layer's attention output and MLP (and experts): counted in the traffic.
+    model.language_model.sums_per_pass = sum(2 + layer.has_moe for layer in model.layers)
     model.language_model.tensor_group = group  # a drafter meeting this model is split alike (shard_drafter)
 
 

@@ -92,10 +92,10 @@ def kv_cache_bytes(
             continue
         tensors = 1 if spec.k_eq_v and single_kv_storage else 2
         heads = spec.num_kv_heads
-        if tensor_parallel > 1:  # the most any process keeps (see gemma4_mlx.distributed.tensor)
-            from ..distributed.tensor import kv_heads_kept
+        if tensor_parallel > 1:  # what each process keeps (see gemma4_mlx.distributed.tensor)
+            from ..distributed.tensor import kv_heads_held
 
-            heads = max(kv_heads_kept(text.num_attention_heads, heads, tensor_parallel, r)[1] for r in range(tensor_parallel))
+            heads = kv_heads_held(text.num_attention_heads, heads, tensor_parallel)
         per_token = round(tensors * heads * spec.head_dim * element)
         tokens = min(context, text.sliding_window + sliding_slack) if spec.is_sliding else full_tokens
         total += per_token * tokens
@@ -233,17 +233,14 @@ def process_estimates(
     folder, config = _resolve(path_or_config)
     text = config.text_config
     if parallel == "tensor":
-        from ..distributed.tensor import check_divisible, kv_heads_kept
+        from ..distributed.tensor import check_divisible, kv_heads_held
 
         check_divisible(text, processes)
-
-        def kv_heads(spec) -> int:  # the most K/V heads a process keeps of that layer
-            return max(kv_heads_kept(text.num_attention_heads, spec.num_kv_heads, processes, r)[1] for r in range(processes))
 
         def share(name: str, n: int) -> int:
             if (kv := _KV_PROJECTION.match(name)) is not None:
                 spec = text.layers[int(kv.group(1))]
-                return n * kv_heads(spec) // spec.num_kv_heads
+                return n * kv_heads_held(text.num_attention_heads, spec.num_kv_heads, processes) // spec.num_kv_heads
             return -(-n // processes) if _SPLIT_BY_TENSOR_PARALLELISM.search(name) else n
 
         weights = sum(share(k, n) for k, n in _tensor_bytes(folder, config, mapped_ple).items())

@@ -345,6 +345,7 @@ class TextModel(nn.Module):
         self.watchdog = None
         self.group = None  # the mx.distributed group of those processes
         self.tensor_group = None  # tensor parallelism (gemma4_mlx.distributed.tensor): the group splitting each layer
+        self.sums_per_pass = 0  # and the all_sums each forward pass makes then
         self.traffic = None  # what this process exchanges with the others (gemma4_mlx.distributed.traffic)
 
     def use_pipeline(self, stage) -> None:
@@ -540,9 +541,8 @@ class TextModel(nn.Module):
             attn = ops.attention(q, k, v, scale=1.0, mask=masks[spec.layer_type])
             ple = per_layer[:, :, i - per_layer_base, :] if per_layer is not None else None
             h, (q, k, v) = joins[i - start](h, attn, ple, position)
-        if self.tensor_group is not None and self.traffic is not None:  # each layer's output projection, MLP and experts summed
-            sums = sum(2 + self.layers[i].has_moe for i in range(start, end))
-            self.traffic.add(h.nbytes * sums, sums)
+        if self.tensor_group is not None and self.traffic is not None:
+            self.traffic.add(h.nbytes * self.sums_per_pass, self.sums_per_pass)
         if stage is not None:
             if not stage.is_last:
                 h = stage.send(h, per_layer, per_layer_base, new_kv, cache)
