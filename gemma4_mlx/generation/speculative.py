@@ -55,8 +55,9 @@ def _source_layers(model, layer_types) -> dict[str, int]:
 
 def _source_caches(model, cache: list, layer_types) -> dict[str, Any]:
     """For each drafter layer type, the target cache it reads (KV-owning layers come first: index = layer)."""
-    sources = {t: cache[i] for t, i in _source_layers(model, layer_types).items()}
-    missing = sorted(i for t, i in _source_layers(model, layer_types).items() if isinstance(sources[t], PassedLayerCache))
+    layers = _source_layers(model, layer_types)
+    sources = {t: cache[i] for t, i in layers.items()}
+    missing = sorted(i for t, i in layers.items() if isinstance(sources[t], PassedLayerCache))
     if missing:
         raise OptionError(
             f"this cache was made before the draft model was attached: this process of the pipeline keeps no copy "
