@@ -22,6 +22,7 @@ from typing import Any
 
 from gemma4_mlx.generation.chat import ChatEngine
 from gemma4_mlx.modalities import MODALITIES, supported
+from gemma4_mlx.ops.compiled import release_thread
 
 DEFAULT_MODEL = "google/gemma-4-E2B-it"
 CACHE_DIR = Path("~/.cache/gemma4-mlx").expanduser()
@@ -144,6 +145,7 @@ class ModelHolder:
             self.status = f"Could not load {self.name}: {self.error}"
         finally:
             self.ready.set()
+            release_thread()  # before close()'s join returns: see gemma4_mlx.ops.compiled
 
     def _drafter(self, model):
         """``(drafter or None, why there is none)``: see ``draft`` in the constructor. A drafter that

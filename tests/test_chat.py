@@ -1,6 +1,7 @@
 """The chat engine: prefix reuse across turns (greedy replies identical with and without reuse,
 sliding-window caches wrapped), media in later turns, reply splitting and the Chat API."""
 
+import sys
 import threading
 
 import mlx.core as mx
@@ -345,6 +346,48 @@ def test_leaving_a_reply_early_then_exiting_is_clean(tmp_path, how):
 
     folder = build_demo_checkpoint(tmp_path / "demo")
     run = subprocess.run([sys.executable, "-c", LEAVE_EARLY, str(folder), how], capture_output=True, text=True, timeout=300)
+    assert run.returncode == 0, run.stderr[-2000:]
+    assert run.stdout.strip() == "leaving" and "terminate called" not in run.stderr
+
+
+SAMPLE_THEN_EXIT_LATE = """
+import ctypes, sys, time
+import gemma4_mlx
+chat = gemma4_mlx.Chat.load(sys.argv[1])
+stream = chat.send("tell me a long story", max_tokens=100000, temperature=0.8)
+next(stream)
+next(stream)
+
+def delay_thread_exit():
+    # On the engine's thread: its thread-local destructors run in reverse order of registration,
+    # so this half-second sleep comes just before MLX frees the thread's compile cache.
+    libc = ctypes.CDLL(None)
+    libc.__cxa_thread_atexit_impl(ctypes.cast(libc.usleep, ctypes.c_void_p), ctypes.c_void_p(500_000), None)
+
+chat.engine._submit(delay_thread_exit)
+
+class SlowToFinalize:  # the interpreter is finalizing (the GIL free, other threads told to exit)
+    def __del__(self, sleep=time.sleep):
+        sleep(2)
+
+slow = SlowToFinalize()
+print("leaving")
+"""
+
+
+@pytest.mark.skipif(sys.platform != "linux", reason="delays a thread's exit with glibc's __cxa_thread_atexit_impl")
+def test_the_engine_thread_leaves_nothing_for_mlx_to_free_after_exit(tmp_path):
+    """The race behind the flaky aborts above, made certain: mlx-lm's sampler is compiled at
+    import and run on the engine's thread, so its trace sits in that thread's compile cache, which
+    MLX frees (taking the GIL) only when the OS thread ends, after join() returned. If that is
+    during finalization, the thread is killed inside a destructor and the process aborts. The
+    engine's thread empties its cache as its last step (ops.compiled.release_thread)."""
+    import subprocess
+
+    from gemma4_mlx.testing import build_demo_checkpoint
+
+    folder = build_demo_checkpoint(tmp_path / "demo")
+    run = subprocess.run([sys.executable, "-c", SAMPLE_THEN_EXIT_LATE, str(folder)], capture_output=True, text=True, timeout=300)
     assert run.returncode == 0, run.stderr[-2000:]
     assert run.stdout.strip() == "leaving" and "terminate called" not in run.stderr
 

@@ -33,6 +33,7 @@ from ..distributed.traffic import Traffic
 from ..errors import OptionError, PeerLostError
 from ..memory import check_fits
 from ..modalities import MODALITIES
+from ..ops.compiled import release_thread
 from .decode import GENERATION_STREAM, generate_tokens
 from .speculative import DEFAULT_DRAFT_TOKENS, SpeculativeStats, fit_to_processes, load_checked_drafter, speculative_tokens
 from .options import GenerationOptions
@@ -248,6 +249,8 @@ class ChatEngine:
                 self._follow()
             except BaseException as e:
                 failure.append(e)
+            finally:
+                release_thread(GENERATION_STREAM)  # before join() returns: see ops.compiled
 
         worker = threading.Thread(target=run, name="gemma4-chat-follower", daemon=True)
         worker.start()
@@ -449,16 +452,19 @@ class ChatEngine:
 def _work(jobs: queue.Queue, heartbeat=None) -> None:
     """An engine's thread: run its jobs in order until it is closed (None). ``heartbeat``, a
     ``(function, seconds)`` pair, is called whenever that long passes without a job."""
-    while True:
-        try:
-            job = jobs.get(timeout=heartbeat[1]) if heartbeat else jobs.get()
-        except queue.Empty:
-            heartbeat[0]()
-            continue
-        if job is None:
-            return
-        job()
-        del job  # the finished job refers to its engine: let the engine go while this thread waits
+    try:
+        while True:
+            try:
+                job = jobs.get(timeout=heartbeat[1]) if heartbeat else jobs.get()
+            except queue.Empty:
+                heartbeat[0]()
+                continue
+            if job is None:
+                return
+            job()
+            del job  # the finished job refers to its engine: let the engine go while this thread waits
+    finally:
+        release_thread(GENERATION_STREAM)  # before join() returns: see ops.compiled
 
 
 def _quit(lockstep) -> Any:

@@ -1,11 +1,17 @@
 """Compiled functions that can be let go of: ``compiled(fn)`` is ``mx.compile(fn)``, made on first
 call, remade after :func:`reset` (when what the ops call changes), and freed at interpreter exit.
 
-Why not plain ``mx.compile`` at module level: MLX keeps a compiled function's traces until the
-function object is freed. Module-level compiled functions live until MLX's own static destruction,
-and if a trace was made on another thread (the chat engine's worker, with its thread-local stream)
-destroying it then aborts the process ("terminate called without an active exception"). Freeing the
-traces in an ``atexit`` hook (after the engine's threads are joined, whose hooks run first) avoids it.
+Why this care: MLX keeps a compiled function's traces in a cache *per thread*, and a trace holds
+Python objects, so dropping it takes the GIL. Two ways that goes wrong at exit, both ending in
+"terminate called without an active exception":
+
+- Module-level compiled functions live until MLX's static destruction, after Python has finalized.
+  Freeing them in an ``atexit`` hook (after the engine's threads are joined, whose hooks run first)
+  avoids it.
+- A thread that ran compiled functions (the chat engine's) frees its cache in a thread-local
+  destructor *after* ``Thread.join`` has returned. If the interpreter is finalizing by then, taking
+  the GIL ends the thread inside that destructor and the process aborts. Such a thread calls
+  :func:`release_thread` as its last step, which empties its cache while it still holds the GIL.
 """
 
 from __future__ import annotations
@@ -55,3 +61,12 @@ def _free_all() -> None:
         c = ref()
         if c is not None:
             c.free()
+
+
+def release_thread(*streams) -> None:
+    """Let go of what MLX keeps for the calling thread (its compiled traces, its streams), as the
+    last step of a thread that ran model work; see the module docstring. The work queued on
+    ``streams`` (and the default stream) finishes first, as their command encoders go."""
+    for stream in (None, *streams):
+        mx.synchronize(stream)
+    mx.clear_streams()
