@@ -87,7 +87,8 @@ def test_regenerate_and_edit_rewind_through_snapshots(family_model):
 
 
 def test_engine_generates_what_stream_generate_does(family_model):
-    """Greedy: the same tokens, sampled through the same recording sampler by both paths."""
+    """Greedy: the same tokens, sampled through the same recording sampler by both paths (each
+    decoding with compiled layer pieces, traced on its own thread)."""
     model, processor = family_model
     messages = [{"role": "user", "content": TURNS[0]}]
 
@@ -101,7 +102,10 @@ def test_engine_generates_what_stream_generate_does(family_model):
 
     plain, engine = [], []
     expected = [c.token for c in gemma4_mlx.stream_generate(model, processor, messages, max_tokens=6, sampler=recording(plain))]
-    list(ChatEngine(model, processor).stream(messages, max_tokens=6, sampler=recording(engine)))
+    chat_engine = ChatEngine(model, processor)
+    list(chat_engine.stream(messages, max_tokens=6, sampler=recording(engine)))
+    first_piece = model.language_model._compiled_pieces[0]
+    assert chat_engine._worker.ident in first_piece._impls  # the engine's thread decodes with the compiled pieces too
     # Both loops sample one token ahead of what they hand out; what they hand out must agree.
     assert len(expected) >= 1 and [int(t.item()) for t in engine][: len(expected)] == expected
     assert [int(t.item()) for t in plain][: len(expected)] == expected

@@ -8,7 +8,6 @@ double-wide MLPs, per-layer embeddings (PLE) and the MoE block. Ground truth is 
 
 from __future__ import annotations
 
-import threading
 from typing import Any
 
 import mlx.core as mx
@@ -506,11 +505,8 @@ class TextModel(nn.Module):
         offset = cache[0].offset if cache is not None else 0
         masks = self.make_masks(h, cache, offset, vision_blocks)
         # A decode step runs the layers as compiled pieces (see _pieces), with its position as an
-        # array so that one trace serves every step. Only on the main thread: with compiled traces
-        # made on another thread (the chat engine's), MLX 0.32.4 aborts the process at exit
-        # ("terminate called without an active exception") after a reply is left early, even with
-        # the traces freed and the thread joined (tests/test_chat.py's leaving-early test).
-        one = h.shape[1] == 1 and threading.current_thread() is threading.main_thread()
+        # array so that one trace serves every step (on any thread: see ops/compiled.py).
+        one = h.shape[1] == 1
         position = mx.array(offset, dtype=mx.int32) if one else offset
         start, end = self._span()
         kvs: dict = {}

@@ -1,22 +1,27 @@
 """Compiled functions that can be let go of: ``compiled(fn)`` is ``mx.compile(fn)``, made on first
-call, remade after :func:`reset` (when what the ops call changes), and freed at interpreter exit.
+call in each thread, remade after :func:`reset` (when what the ops call changes), and freed at exit.
 
-Why this care: MLX keeps a compiled function's traces in a cache *per thread*, and a trace holds
-Python objects, so dropping it takes the GIL. Two ways that goes wrong at exit, both ending in
+Why this care: MLX keeps compiled traces in a cache *per thread*, and a trace holds Python objects,
+so dropping one takes the GIL. A compiled function erases its traces when it is freed, but only
+from the cache of the thread that made it. Three ways that went wrong at exit, all ending in
 "terminate called without an active exception":
 
-- Module-level compiled functions live until MLX's static destruction, after Python has finalized.
-  Freeing them in an ``atexit`` hook (after the engine's threads are joined, whose hooks run first)
-  avoids it.
-- A thread that ran compiled functions (the chat engine's) frees its cache in a thread-local
-  destructor *after* ``Thread.join`` has returned. If the interpreter is finalizing by then, taking
-  the GIL ends the thread inside that destructor and the process aborts. Such a thread calls
-  :func:`release_thread` as its last step, which empties its cache while it still holds the GIL.
+- Module-level compiled functions live until MLX's static destruction, after Python has finalized:
+  ours are freed in an ``atexit`` hook instead (after the engine's threads are joined, whose hooks
+  run first).
+- A function made on one thread and run on another leaves traces the other thread's cache keeps
+  until that thread ends: each thread gets its own ``mx.compile`` of the function here.
+- A thread that ran compiled functions (the chat engine's) has its cache freed by a thread-local
+  destructor *after* ``Thread.join`` has returned; if the interpreter is finalizing by then, taking
+  the GIL ends the thread inside that destructor. Such a thread calls :func:`release_thread` as its
+  last step, which empties its cache while it still holds the GIL (mlx-lm's samplers, compiled at
+  import, leave traces there too).
 """
 
 from __future__ import annotations
 
 import atexit
+import threading
 import weakref
 from typing import Callable
 
@@ -27,19 +32,27 @@ _generation = 0
 
 
 class Compiled:
-    """``mx.compile(fn, **options)``, made lazily; see the module docstring."""
+    """``mx.compile(fn, **options)``, made lazily in each thread; see the module docstring."""
 
     def __init__(self, fn: Callable, **options):
-        self.fn, self.options, self._impl, self._made_at = fn, options, None, -1
+        self.fn, self.options = fn, options
+        self._impls: dict[int, tuple[Callable, int]] = {}  # thread id -> (mx.compile(fn), generation made at)
         _LIVE.append(weakref.ref(self))
 
     def __call__(self, *args):
-        if self._impl is None or self._made_at != _generation:
-            self._impl, self._made_at = mx.compile(self.fn, **self.options), _generation
-        return self._impl(*args)
+        thread = threading.get_ident()
+        impl, made_at = self._impls.get(thread, (None, -1))
+        if impl is None or made_at != _generation:
+            impl = mx.compile(self.fn, **self.options)
+            self._impls[thread] = (impl, _generation)
+        return impl(*args)
 
-    def free(self) -> None:
-        self._impl = None
+    def free(self, thread: int | None = None) -> None:
+        """Drop the compiled function of ``thread`` (every thread's if None), and with it its traces."""
+        if thread is None:
+            self._impls.clear()
+        else:
+            self._impls.pop(thread, None)
 
 
 def compiled(fn: Callable | None = None, **options):
@@ -64,9 +77,14 @@ def _free_all() -> None:
 
 
 def release_thread(*streams) -> None:
-    """Let go of what MLX keeps for the calling thread (its compiled traces, its streams), as the
-    last step of a thread that ran model work; see the module docstring. The work queued on
-    ``streams`` (and the default stream) finishes first, as their command encoders go."""
+    """Let go of what MLX keeps for the calling thread (its compiled functions and traces, its
+    streams), as the last step of a thread that ran model work; see the module docstring. The work
+    queued on ``streams`` (and the default stream) finishes first, as their command encoders go."""
     for stream in (None, *streams):
         mx.synchronize(stream)
+    thread = threading.get_ident()
+    for ref in _LIVE:
+        c = ref()
+        if c is not None:
+            c.free(thread)
     mx.clear_streams()
