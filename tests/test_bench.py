@@ -2,6 +2,7 @@
 
 import os
 import time
+import re
 
 import pytest
 
@@ -72,3 +73,16 @@ def test_long_context_bench_prints_every_setting(capsys):
     assert by[("ours", None)]["kv_per_token"] == by[("mlx-lm", None)]["kv_per_token"]  # the same cache layout
     assert by[("ours", 8)]["kv_per_token"] < 0.55 * by[("ours", None)]["kv_per_token"]
     assert by[("ours", 4)]["kv_per_token"] < 0.3 * by[("ours", None)]["kv_per_token"]
+
+
+def test_chat_bench_prints_reuse_and_decoding_beside_mlx_lm(capsys):
+    """bench.chat: the second turn with and without reuse, then a reply's decoding speed, the
+    engine's beside mlx-lm's on the same weights."""
+    from gemma4_mlx.bench import chat as bench_chat
+
+    bench_chat.main(["--layers", "3", "--vocab", "2048", "--narrow", "--dtype", "float32", "--history", "24", "--new", "4", "--reply", "2", "--decode", "6"])
+    out = capsys.readouterr().out
+    reuse_row = next(line for line in out.splitlines() if line.startswith("| 24 |"))
+    assert "x |" in reuse_row
+    rates = re.search(r"\| tok/s \| ([0-9.]+) \| ([0-9.]+) \| ([0-9.]+)x \|", out)
+    assert rates and float(rates[1]) > 0 and float(rates[2]) > 0

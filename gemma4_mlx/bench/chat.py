@@ -8,6 +8,9 @@ second message (``--new`` tokens). The table shows the second turn's prompt size
 reused from the cache, the tokens actually prefilled, and the time to first token, with
 :class:`~gemma4_mlx.chat.ChatEngine`'s prefix reuse and without it (a fresh cache each turn).
 With reuse, the second turn's cost follows the new tokens, not the length of the conversation.
+
+A second table shows how fast a reply decodes: the engine (its model work on its own thread) beside
+mlx-lm's ``stream_generate`` on the same weights, in one run.
 """
 
 from __future__ import annotations
@@ -67,9 +70,22 @@ def second_turn(engine: ChatEngine, processor: Processor, history_tokens: int, n
     sampler = text_sampler(processor, engine.model.text_config.vocab_size)
     reply = list(engine.stream(first, max_tokens=reply_tokens, sampler=sampler, seed=0))[-1].reply
     second = first + [reply.as_message(), {"role": "user", "content": filler(processor, new_tokens)}]
-    with_reuse = list(engine.stream(second, max_tokens=2))[-1].stats
-    fresh = list(engine.stream(second, max_tokens=2, reuse=False))[-1].stats
+    with_reuse = list(engine.stream(second, max_tokens=2, sampler=sampler))[-1].stats
+    fresh = list(engine.stream(second, max_tokens=2, sampler=sampler, reuse=False))[-1].stats
     return with_reuse, fresh
+
+
+def decode_speed(engine: ChatEngine, theirs, processor: Processor, tokens: int) -> tuple[float, float]:
+    """Generation tok/s of a ``tokens``-token reply: the engine's, then mlx-lm's ``stream_generate``
+    on the same prompt with the same sampler (one token sampled ahead, as both report it)."""
+    from mlx_lm import stream_generate
+
+    messages = [{"role": "user", "content": filler(processor, 32)}]
+    sampler = text_sampler(processor, engine.model.text_config.vocab_size)
+    ours = list(engine.stream(messages, max_tokens=tokens, sampler=sampler, seed=0))[-1].stats.generation_tps
+    prompt = processor.prepare(messages)["input_ids"][0].tolist()
+    mlx_lm = list(stream_generate(theirs, processor.tokenizer, prompt, max_tokens=tokens, sampler=sampler))[-1].generation_tps
+    return ours, mlx_lm
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -83,15 +99,20 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--new", type=int, default=32, help="tokens in the second message")
     p.add_argument("--reply", type=int, default=16, help="tokens of the first reply")
     p.add_argument("--vocab", type=int, default=262_144)
+    p.add_argument("--narrow", action="store_true", help="small widths, same layers: decoding then costs mostly the building of each step's graph")
+    p.add_argument("--decode", type=int, default=64, help="tokens of the reply whose decoding speed is compared with mlx-lm's")
     args = p.parse_args(argv)
 
     layers = None if args.layers == "full" or (args.layers is None and on_gpu) else int(args.layers or CPU_LAYERS[args.variant])
-    model, _, text = build_pair(args.variant, layers, args.bits or None, getattr(mx, args.dtype), args.vocab)
+    from .step import narrow
+
+    edit = narrow if args.narrow else None
+    model, theirs, text = build_pair(args.variant, layers, args.bits or None, getattr(mx, args.dtype), args.vocab, edit=edit)
     processor = make_processor(text["vocab_size"], small=args.variant in ("e2b", "e4b"))
     engine = ChatEngine(model, processor)
     second_turn(engine, processor, 16, 4, 2)  # warm up
     print(f"device: {mx.default_device()}, mlx {mx.__version__}, {args.variant} ({text['num_hidden_layers']} layers), "
-          f"{f'{args.bits}-bit' if args.bits else args.dtype}; second message {args.new} tokens, first reply {args.reply}")  # fmt: skip
+          f"{f'{args.bits}-bit' if args.bits else args.dtype}{', narrow widths' if args.narrow else ''}; second message {args.new} tokens, first reply {args.reply}")  # fmt: skip
     print("| history tokens | 2nd-turn prompt | reused | prefilled (reuse / fresh) | time to first token (reuse / fresh / ratio) |")
     print("|---|---|---|---|---|")
     for n in args.history:
@@ -101,6 +122,11 @@ def main(argv: list[str] | None = None) -> None:
             f"| {a.time_to_first_token:.3f} s / {b.time_to_first_token:.3f} s / {b.time_to_first_token / a.time_to_first_token:.1f}x |",
             flush=True,
         )
+    decode_speed(engine, theirs, processor, 4)  # warm up
+    ours, mlx_lm = decode_speed(engine, theirs, processor, args.decode)
+    print(f"\n| reply decoding, {args.decode} tokens | ours (ChatEngine) | mlx-lm (stream_generate) | ratio |")
+    print("|---|---|---|---|")
+    print(f"| tok/s | {ours:.1f} | {mlx_lm:.1f} | {ours / mlx_lm:.2f}x |", flush=True)
 
 
 if __name__ == "__main__":

@@ -216,6 +216,7 @@ class ChatEngine:
                 heartbeat = (lambda: lockstep.share({"kind": "heartbeat"}), lockstep.heartbeat_interval)
             self._worker = threading.Thread(target=_work, args=(self._jobs, heartbeat), name="gemma4-chat-engine", daemon=True)
             self._worker.start()
+            _WORKERS.add(self._worker)
 
     def _submit(self, job) -> None:
         self._start_worker()
@@ -494,12 +495,18 @@ def _lockstep(model):
 
 
 _ENGINES: "weakref.WeakSet[ChatEngine]" = weakref.WeakSet()
+_WORKERS: "weakref.WeakSet[threading.Thread]" = weakref.WeakSet()  # engines' threads, alive or not
 
 
 @atexit.register
-def _close_engines() -> None:
+def _close_engines(timeout: float = 60.0) -> None:
     for engine in list(_ENGINES):
-        engine.close()
+        engine.close(timeout)
+    # The threads of engines already freed are ending too (told by _finish): joined as well, since
+    # one ending as the interpreter finalizes aborts the process (ops/compiled.py).
+    for worker in list(_WORKERS):
+        if worker is not threading.current_thread():
+            worker.join(timeout)
 
 
 def _merge(chunks: list[ChatChunk]) -> list[ChatChunk]:
