@@ -68,12 +68,14 @@ def reset() -> None:
     _generation += 1
 
 
+def _alive() -> list[Compiled]:
+    return [c for c in (ref() for ref in _LIVE) if c is not None]
+
+
 @atexit.register
 def _free_all() -> None:
-    for ref in _LIVE:
-        c = ref()
-        if c is not None:
-            c.free()
+    for c in _alive():
+        c.free()
 
 
 def release_thread(*streams) -> None:
@@ -83,8 +85,6 @@ def release_thread(*streams) -> None:
     for stream in (None, *streams):
         mx.synchronize(stream)
     thread = threading.get_ident()
-    for ref in _LIVE:
-        c = ref()
-        if c is not None:
-            c.free(thread)
+    for c in _alive():
+        c.free(thread)
     mx.clear_streams()
