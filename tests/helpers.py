@@ -99,7 +99,10 @@ def launch(holder, port: int | None = None, api=None):
 
 @contextlib.contextmanager
 def endless_replies(engine):
-    """Replies that only Stop (or max tokens) ends: the sampler never picks an end token."""
+    """Replies that only Stop ends: the sampler never picks an end token, and the caller's max
+    tokens are raised to the context's end (the engine clamps them there). The page asks for 1024,
+    which a fast machine writes in 4 s: a test pressing Stop on a loaded one could find the reply
+    already over (the CI failure of test_phone_layout_and_send_button_becomes_stop)."""
     import mlx.core as mx
 
     original = engine.stream
@@ -109,7 +112,10 @@ def endless_replies(engine):
         logprobs[..., eos] = -mx.inf
         return mx.argmax(logprobs, axis=-1)
 
-    engine.stream = functools.partial(original, sampler=never_ending)
+    def endless(*args, **options):
+        return original(*args, **{**options, "sampler": never_ending, "max_tokens": 1 << 20})
+
+    engine.stream = endless
     try:
         yield
     finally:
