@@ -14,9 +14,12 @@ from __future__ import annotations
 import contextlib
 
 import html
+import itertools
+import math
 import re
 import tempfile
 import threading
+import time
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -55,6 +58,10 @@ LATEX = [
     {"left": "\\[", "right": "\\]", "display": True},
     {"left": "\\(", "right": "\\)", "display": False},
 ]
+# Seconds between a reply's updates to the page, and more per character of the reply. The page
+# renders the whole reply again on each update: at one update per token a fast model (the demo's
+# writes 250 tokens/s) starves the browser, whose Stop button then cannot be pressed.
+UPDATE_INTERVAL, UPDATE_INTERVAL_PER_CHAR = 0.05, 1 / 200_000
 PLACEHOLDER = "Message Gemma (Enter to send, Shift+Enter for a new line)"
 STORAGE_KEY = "gemma4-mlx-conversations"
 CSS = """
@@ -129,11 +136,22 @@ class Page:
 
 
 class Replies:
-    """Per browser session: the stop flag of its running reply and whether one is running."""
+    """Per browser session: the stop flag of its reply and whether one is running.
+
+    A Stop pressed after the page asked for a reply but before it began (it waits in the model's
+    queue, behind another tab's or an API client's reply) stops that reply as it begins; a Stop
+    from before the request does not. Undo and Clear pressed during (or before) a reply replace
+    the conversation that the reply would save."""
 
     def __init__(self):
         self._stops: dict[str, threading.Event] = {}
         self._busy: set[str] = set()
+        # When things happened, as a count of events (exact order, unlike a clock's ties)
+        self._events = itertools.count()
+        self._asked: dict[str, int] = {}  # when the page asked for the reply that has not begun
+        self._stopped: dict[str, int] = {}  # when Stop was last pressed
+        self._began: dict[str, int] = {}  # when the last reply was asked for (or began: the API's)
+        self._replaced: dict[str, int] = {}  # when Undo or Clear was last pressed
 
     @staticmethod
     def key(request: gr.Request | None) -> str:
@@ -145,14 +163,36 @@ class Replies:
     def busy(self, request) -> bool:
         return self.key(request) in self._busy
 
-    def started(self, request) -> None:
-        self._busy.add(self.key(request))
+    def asked(self, request) -> None:
+        """The page asked for a reply (it begins when the model's queue comes to it)."""
+        self._asked[self.key(request)] = next(self._events)
+
+    def begin(self, request) -> threading.Event:
+        """A reply begins: its stop flag, already set if Stop was pressed since the page asked for it."""
+        key = self.key(request)
+        asked = self._asked.pop(key, None)
+        self._began[key] = asked if asked is not None else next(self._events)
+        stop = self.stop_event(request)
+        if self._stopped.get(key, -math.inf) < self._began[key]:
+            stop.clear()
+        self._busy.add(key)
+        return stop
 
     def ended(self, request) -> None:
         self._busy.discard(self.key(request))
 
     def stop(self, request) -> None:
+        self._stopped[self.key(request)] = next(self._events)
         self.stop_event(request).set()
+
+    def replace(self, request) -> None:
+        """Undo or Clear was pressed: the running reply stops, and its conversation is not saved."""
+        self._replaced[self.key(request)] = next(self._events)
+        self.stop(request)
+
+    def replaced_since_reply(self, request) -> bool:
+        key = self.key(request)
+        return self._replaced.get(key, -math.inf) > self._began.get(key, math.inf)
 
     def stop_all(self) -> None:
         """Stop every running reply (the app is exiting)."""
@@ -165,8 +205,9 @@ def build_app(holder: ModelHolder) -> gr.Blocks:
     :func:`launch` (it passes the page's CSS); ``app.replies.stop_all()`` stops running replies."""
     with gr.Blocks(title="Gemma 4 on MLX", fill_height=True) as demo:
         page = _layout(holder)
-        finish = _Finish(holder, page)
-        chat = _Chat(holder, Replies(), page, finish)
+        replies = Replies()
+        finish = _Finish(holder, page, replies)
+        chat = _Chat(holder, replies, page, finish)
         chat.wire()
         _wire_store(page, chat, finish)
     demo.replies = chat.replies
@@ -218,7 +259,9 @@ def _layout(holder: ModelHolder) -> Page:
                "max_tokens": max_tokens, "image_tokens": image_tokens, "tools": tools, "speculative": speculative,
                "kv_cache": kv_cache}  # fmt: skip
     gr.Markdown(f"## Gemma 4 · {holder.name}", elem_id="title")
-    status = gr.Markdown(holder.status, elem_id="status")
+    # Not the model's status now (a page opened later would show this value first): the page's load
+    # event shows the status once the conversation is restored.
+    status = gr.Markdown("Opening…", elem_id="status")
     summary = gr.Markdown(_summary(dict(defaults)), elem_id="conversation-settings")
     chatbot = Chatbot(
         label="Chat", elem_id="chatbot", scale=1, min_height=160, editable="user", latex_delimiters=LATEX,
@@ -226,7 +269,7 @@ def _layout(holder: ModelHolder) -> Page:
     )  # fmt: skip
     textbox = gr.MultimodalTextbox(
         placeholder=PLACEHOLDER, file_count="multiple", file_types=["image", "audio", "video"], sources=["upload", "microphone"],
-        show_label=False, elem_id="input", submit_btn=True, stop_btn=False,
+        show_label=False, elem_id="input", submit_btn=True, stop_btn=False, interactive=False,  # until restored
     )  # fmt: skip
     with gr.Row(elem_id="actions"):
         regenerate = gr.Button("Regenerate", size="sm", elem_id="regenerate", min_width=60)
@@ -291,9 +334,7 @@ class _Chat:
         if problem:
             yield history + [note(problem, "This file cannot be used")]
             return
-        stop = self.replies.stop_event(request)
-        stop.clear()
-        self.replies.started(request)
+        stop = self.replies.begin(request)
         reply_start = len(history)
         chunk = None
         try:
@@ -304,9 +345,14 @@ class _Chat:
                 speculative=bool(settings["speculative"]), kv_bits=convs.KV_CACHE_BITS.get(settings["kv_cache"]),
                 kv_group_size=holder.kv_group_size,
             )  # fmt: skip
+            shown = 0.0
             for chunk in stream:
+                length = len(chunk.reply.content or "") + len(chunk.reply.thinking or "")
+                if chunk.finish_reason is None and time.monotonic() - shown < UPDATE_INTERVAL + length * UPDATE_INTERVAL_PER_CHAR:
+                    continue  # shown with a later token
                 history[reply_start:] = _reply_messages(chunk.reply, done=chunk.finish_reason is not None)
                 yield history
+                shown = time.monotonic()
         except (MediaError, ContextLengthError, ValueError, OSError, RuntimeError) as e:
             del history[reply_start:]
             yield history + [note(file_names(history, str(e)), "Could not reply")]
@@ -314,6 +360,7 @@ class _Chat:
         finally:
             self.replies.ended(request)
         if chunk is not None:
+            history[reply_start:] = _reply_messages(chunk.reply, done=True)  # the last tokens, if not yet shown
             s = chunk.stats
             calls = calls_label([c.name for c in chunk.reply.tool_calls])
             why = {
@@ -336,10 +383,12 @@ class _Chat:
             raise gr.Error(problem, print_exception=False)
         if history is None:
             raise gr.Error("Type a message or attach a file first.", print_exception=False)
+        self.replies.asked(request)
         return history, gr.MultimodalTextbox(value=None, submit_btn=False, stop_btn=True, placeholder=PLACEHOLDER)
 
-    def streaming(self):
+    def streaming(self, request: gr.Request):
         """The send button shows Stop while a reply streams (regenerate, retry, edit)."""
+        self.replies.asked(request)
         return gr.MultimodalTextbox(submit_btn=False, stop_btn=True)
 
     # Gradio passes its special arguments (gr.Request, gr.RetryData, ...) only to positional
@@ -398,6 +447,10 @@ class _Chat:
         """Stop the running reply after the current token."""
         self.replies.stop(request)
 
+    def replace(self, request: gr.Request):
+        """Undo or Clear: stop the running reply, whose conversation they replace."""
+        self.replies.replace(request)
+
     def wire(self) -> None:
         p = self.page
         # No progress overlays: one over the input box would cover its Stop button during a reply.
@@ -424,16 +477,18 @@ class _Chat:
             finish.after(trigger(fn, inputs, [p.chatbot], **gen, **api))
 
         # Undo and clear stop a running reply and wait in its queue: run beside it, they could be
-        # overwritten by the reply's last update, which would bring the removed messages back.
+        # overwritten by the reply's last update, which would bring the removed messages back. The
+        # reply's save is skipped: it could land after theirs (the page sends both at once).
         for trigger in (p.chatbot.undo, p.undo.click, p.clear.click):
-            trigger(self.stop, None, None, **quick)
-        finish.after(p.chatbot.undo(self.undo_event, [p.chatbot], [p.chatbot, p.textbox], **gen, **private))
-        finish.after(p.undo.click(self.undo, [p.chatbot], [p.chatbot, p.textbox], api_name="undo", **gen))
-        finish.after(p.clear.click(lambda: [], None, [p.chatbot], api_name="clear", **gen))
+            trigger(self.replace, None, None, **quick)
+        finish.after(p.chatbot.undo(self.undo_event, [p.chatbot], [p.chatbot, p.textbox], **gen, **private), reply=False)
+        finish.after(p.undo.click(self.undo, [p.chatbot], [p.chatbot, p.textbox], api_name="undo", **gen), reply=False)
+        finish.after(p.clear.click(lambda: [], None, [p.chatbot], api_name="clear", **gen), reply=False)
 
-        timer = gr.Timer(1.0)
-        timer.tick(self.status, None, [p.status, timer], **quick)
-        gr.context.get_blocks_context().root_block.load(self.status, None, [p.status, timer], **quick)
+        # Ticks while the model loads. The page's load event restores the conversation first and
+        # then shows the status (see _wire_store): "Ready" means the page can be used.
+        self.timer = gr.Timer(1.0, active=False)
+        self.timer.tick(self.status, None, [p.status, self.timer], **quick)
 
     def status(self):
         holder = self.holder
@@ -474,8 +529,8 @@ class _Finish:
     """What follows every change of the conversation: save it, restore the send button, refresh
     the conversation list and the export file."""
 
-    def __init__(self, holder: ModelHolder, page: Page):
-        self.holder, self.page = holder, page
+    def __init__(self, holder: ModelHolder, page: Page, replies: Replies):
+        self.holder, self.page, self.replies = holder, page, replies
         self.exports = tempfile.TemporaryDirectory(prefix="gemma4-chat-")  # removed at exit
         p = page
         self.inputs = [p.store, p.chatbot, *p.settings]
@@ -489,9 +544,16 @@ class _Finish:
         store, radio = self.save(store, history, *values)
         return store, radio, _input_box(history), self.export_file(history)
 
-    def after(self, event) -> None:
+    def done_after_reply(self, request: gr.Request, store, history, *values):
+        if self.replies.replaced_since_reply(request):
+            return (gr.update(),) * 4  # Undo or Clear pressed: theirs is the conversation to save
+        return self.done(store, history, *values)
+
+    def after(self, event, reply: bool = True) -> None:
+        """Save the conversation, and so on, after ``event`` (a reply, unless ``reply`` is False)."""
         p = self.page
-        event.then(self.done, self.inputs, [p.store, p.conversations, p.textbox, p.export], queue=False, show_progress="hidden", api_visibility="private")
+        event.then(self.done_after_reply if reply else self.done, self.inputs, [p.store, p.conversations, p.textbox, p.export],
+                   queue=False, show_progress="hidden", api_visibility="private")  # fmt: skip
 
     def export_file(self, history) -> str:
         """The conversation as a Markdown file named after its first message (for the Export button)."""
@@ -506,7 +568,7 @@ def _input_box(history) -> gr.MultimodalTextbox:
     """The input box in send mode; after a tool call it says that the next message is its result."""
     calls = pending_tool_calls(history or [])
     placeholder = f"Type the result of {calls_label(calls)} (JSON or text): it is sent to the model as the tool's result" if calls else PLACEHOLDER
-    return gr.MultimodalTextbox(submit_btn=True, stop_btn=False, placeholder=placeholder)
+    return gr.MultimodalTextbox(submit_btn=True, stop_btn=False, placeholder=placeholder, interactive=True)
 
 
 def _first_user_text(history: list) -> str:
@@ -563,7 +625,9 @@ def _wire_store(page: Page, chat: _Chat, finish: _Finish) -> None:
         return store, _summary(_settings(values))
 
     demo = gr.context.get_blocks_context().root_block  # the Blocks being built
-    demo.load(restore, [p.store], shown, **private)
+    # The conversation is restored before the status says the page is ready, and the input box is
+    # usable only from then: a message sent earlier would be replaced by the restored conversation.
+    demo.load(restore, [p.store], shown, **private).then(chat.status, None, [p.status, chat.timer], **private)
     p.new_chat.click(new_chat, [p.store, p.chatbot, *p.settings], shown, **private)
     p.conversations.input(switch, [p.store, p.chatbot, p.conversations, *p.settings], shown, **private)
     gr.on([p.name.submit, p.name.blur], rename, [p.store, p.name], [p.store, p.conversations], **private)

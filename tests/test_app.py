@@ -27,7 +27,7 @@ from app.backend import (
     to_model_messages,
     unsupported_media,
 )
-from app.ui import build_app
+from app.ui import Replies, build_app
 
 pytestmark = pytest.mark.usefixtures("app_cache")  # the app's cache in a temporary folder
 
@@ -91,10 +91,28 @@ def test_text_turn_streams_a_reply_with_stats(client):
     job = client.submit({"text": "hello there", "files": []}, [], "", 0.0, 0.95, 64, 12, False, 280, "", api_name="/chat")
     history = job.result()[0]
     updates = job.outputs()
-    assert len(updates) > 3  # streamed: one update per token, not one at the end
+    assert len(updates) > 3  # streamed: the message, the first token, the last, the stats
     assert [m["role"] for m in history] == ["user", "assistant", "assistant"]
     assert text(history[0]) == "hello there" and text(history[1])
     assert title(history[2]).startswith(STATS_TITLE) and "tok/s" in title(history[2])
+
+
+def test_a_long_reply_reaches_the_page_in_timed_updates_and_whole(demo_app, client):
+    """The page gets a reply about 20 times a second, not at every token (it renders the whole
+    reply on each update), and the last update holds all of it."""
+    from app.ui import UPDATE_INTERVAL
+
+    holder, _ = demo_app
+    words = " ".join(f"word{i}" for i in range(400))
+    with recording(holder.engine, words):
+        tic = time.perf_counter()
+        job = client.submit({"text": "count", "files": []}, [], "", 0.0, 0.95, 64, 4000, False, 280, "", api_name="/chat")
+        history = job.result()[0]
+        elapsed = time.perf_counter() - tic
+    generated = int(text(history[-1]).split("generation: ")[1].split(" tokens")[0])
+    assert generated > 800  # the demo writes ~250 tokens/s: per token, ~5 times the updates allowed
+    assert 3 < len(job.outputs()) <= elapsed / UPDATE_INTERVAL + 4
+    assert text(history[1]) == words
 
 
 def test_kv_cache_setting(demo_app, client):
@@ -151,6 +169,32 @@ def test_stop_mid_stream(demo_app, client):
     # The app keeps working, and the stopped reply is part of the conversation.
     history = chat(client, "next", history)
     assert title(history[-1]).startswith(STATS_TITLE)
+
+
+def test_stop_applies_to_the_reply_asked_for_before_it_and_undo_or_clear_to_its_save():
+    """Stop pressed while the page's reply waits for the model stops it as it begins; a Stop from
+    before the request does not, nor one before an API call. Undo and Clear pressed since a reply
+    was asked for keep that reply from saving its conversation over theirs."""
+    from types import SimpleNamespace
+
+    replies, page, api = Replies(), SimpleNamespace(session_hash="page"), SimpleNamespace(session_hash="api")
+    replies.asked(page)
+    replies.stop(page)  # while the reply waits in the queue
+    assert replies.begin(page).is_set()
+    replies.ended(page)
+    replies.stop(page)
+    replies.asked(page)  # the next reply, asked for after that Stop
+    assert not replies.begin(page).is_set() and replies.busy(page)
+    assert not replies.replaced_since_reply(page)
+    replies.replace(page)  # Clear during the reply: it stops, and Clear's conversation is saved
+    assert replies.stop_event(page).is_set() and replies.replaced_since_reply(page)
+    replies.ended(page)
+    assert not replies.busy(page)
+    replies.asked(page)
+    assert not replies.begin(page).is_set() and not replies.replaced_since_reply(page)
+    replies.stop(api)
+    assert not replies.begin(api).is_set()  # an API call has no page step before it: it begins anew
+    assert not replies.stop_event(page).is_set()  # sessions are apart
 
 
 def test_bad_inputs_give_clear_messages(client, media):

@@ -7,11 +7,14 @@ turning into Stop. Saves a screenshot (``GEMMA4_SCREENSHOT=path`` keeps it)."""
 import json
 import os
 import shutil
+import threading
 import time
 
 import pytest
+from gradio_client import Client
 from helpers import WEATHER, endless_replies, free_port, launch, scripted
 
+from app import store as app_store
 from app.backend import ModelHolder
 
 CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser")
@@ -78,11 +81,13 @@ def test_reply_streams_into_the_page(tmp_path):
             with endless_replies(holder.engine):
                 box.fill("Tell me everything.")
                 box.press("Enter")
-                _wait_until(lambda: len(chat.inner_text()) > len("An edited question") + 200)  # streaming
+                # Streaming (its text may be slow to show: the tiny model writes many empty tokens).
+                _wait_until(lambda: chat.get_by_text("Tell me everything.").count() == 1 and holder.engine._running)
+                page.wait_for_timeout(300)
                 page.locator("#clear").click()
                 _wait_until(lambda: chat.get_by_text("An edited question").count() == 0)
                 page.wait_for_timeout(2000)  # time for a late reply update to (wrongly) refill the chat
-                assert chat.get_by_text("Tell me everything.").count() == 0
+                assert chat.get_by_text("Tell me everything.").count() == 0, chat.inner_text()[:300]
             page.reload()
             page.wait_for_selector("#status:has-text('Ready')", timeout=60_000)
             page.wait_for_timeout(2000)  # the restore is one request; time for it to (wrongly) refill the chat
@@ -156,8 +161,8 @@ def test_conversations_settings_export_and_restart(tmp_path):
             finally:
                 holder.engine.stream = original
             reply = chat.locator(".message.bot").first
-            assert "It costs $5 and $10, and the area is" in reply.inner_text()
-            assert reply.locator(".katex").count() == 1
+            # The page renders the reply's last update (text and math) after the stats line can show.
+            _wait_until(lambda: "It costs $5 and $10, and the area is" in reply.inner_text() and reply.locator(".katex").count() == 1)
             # This conversation's settings: shown above the chat, kept with it.
             _open_sidebar(page)
             page.locator("#system textarea").fill("You are a pirate.")
@@ -220,9 +225,29 @@ def test_conversations_settings_export_and_restart(tmp_path):
             holder2 = ModelHolder(None, None, demo=True).start()
             app, url = launch(holder2, port)
             assert holder2.ready.wait(120)
-            page.reload()
+            # Until the conversation is restored, the page is not "Ready" and the input box is
+            # disabled: a message sent earlier would be replaced by the restored conversation.
+            restoring, release = threading.Event(), threading.Event()
+            normalize = app_store.normalize
+
+            def slow_restore(store):
+                app_store.normalize = normalize
+                restoring.set()
+                release.wait(30)
+                return normalize(store)
+
+            app_store.normalize = slow_restore
+            try:
+                page.reload()
+                assert restoring.wait(30)
+                assert page.locator("#input textarea").is_disabled()
+                assert "Ready" not in page.locator("#status").inner_text()
+            finally:
+                app_store.normalize = normalize
+                release.set()
             page.wait_for_selector("#status:has-text('Ready')", timeout=60_000)
             chat.get_by_text("First conversation").wait_for(timeout=30_000)
+            assert page.locator("#input textarea").is_enabled()
             _open_sidebar(page)
             _wait_until(lambda: sorted(_conversations(page)) == ["Pirate talk", "Second conversation"])
             assert page.locator("#system textarea").input_value() == "You are a pirate."
@@ -271,6 +296,21 @@ def test_phone_layout_and_send_button_becomes_stop(tmp_path):
             assert page.evaluate("document.scrollingElement.scrollTop") == 0  # nothing scrolled to get there
             shot = tmp_path / "phone.png"
             page.screenshot(path=str(shot))
+            # Stop pressed while the reply waits for the model (an API client's reply runs) stops
+            # it as it begins.
+            client = Client(url, verbose=False)
+            with endless_replies(holder.engine):
+                job = client.submit({"text": "go on forever", "files": []}, [], api_name="/chat")
+                _wait_until(lambda: len(job.outputs()) >= 3)  # the API client's reply streams
+                _send(page, "Are you there?")
+                stop.wait_for(state="visible", timeout=30_000)
+                stop.click()
+                assert len(holder.engine._running) == 1  # the page's reply has not begun
+                client.predict(api_name="/stop")
+                job.result(timeout=60)
+                _wait_until(lambda: len(_stats(page)) == 2)
+            assert _stats(page)[-1].endswith("· stopped"), _stats(page)[-1]
+            assert " 0 tokens, " in _stats(page)[-1] or " 1 tokens, " in _stats(page)[-1], _stats(page)[-1]
             browser.close()
     finally:
         app.close()
