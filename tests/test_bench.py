@@ -22,12 +22,12 @@ def test_variant_configs_keep_the_layer_pattern_and_kv_sharing():
 def test_bench_prints_a_side_by_side_table(capsys):
     tic = time.perf_counter()
     rows = bench.main([
-        "--variants", "e2b", "--layers", "10", "--vocab", "2048", "--dtype", "float32",
+        "--variants", "e2b", "--layers", "10", "--vocab", "2048", "--dtype", "float32", "--narrow",
         "--prompt-tokens", "24", "--gen-tokens", "6", "--repeats", "1",
     ])
     elapsed = time.perf_counter() - tic
     out = capsys.readouterr().out
-    assert "| variant | layers | prefill tok/s (ours / mlx-lm / ratio)" in out
+    assert "float32, narrow widths" in out and "| variant | layers | prefill tok/s (ours / mlx-lm / ratio)" in out
     assert "| e2b | 10 |" in out
     (row,) = rows
     # Both ran within the call: their rates cannot be below the counts over the whole call's time.

@@ -28,6 +28,7 @@ from ..loading import adapt_to_device
 from ..loading.quantization import QuantizationPlan, quantize_model
 from ..models.gemma4 import Gemma4Model
 from ..variants import VARIANTS, variant_config
+from .step import narrow
 
 # Layers per variant on a CPU: E2B/E4B need two periods to keep KV sharing; 26B/31B layers are
 # large (a 26B layer holds 761M expert weights), so one sliding and one full layer.
@@ -127,6 +128,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
     p.add_argument("--repeats", type=int, default=2)
     p.add_argument("--dtype", choices=["bfloat16", "float16", "float32"], default="bfloat16", help="unquantized weight dtype")
     p.add_argument("--vocab", type=int, default=262_144, help="vocabulary size (smaller only for quick smoke runs)")
+    p.add_argument("--narrow", action="store_true", help="each variant's layers with small widths (quick smoke runs)")
     args = p.parse_args(argv)
 
     def layers_for(name: str) -> int | None:
@@ -134,10 +136,11 @@ def main(argv: list[str] | None = None) -> list[dict]:
             return None
         return int(args.layers) if args.layers else CPU_LAYERS[name]
 
-    print(f"device: {mx.default_device()}, mlx {mx.__version__}, {f'{args.bits}-bit' if args.bits else args.dtype}, prompt {args.prompt_tokens}, generate {args.gen_tokens}, best of {args.repeats}")
+    widths = ", narrow widths" if args.narrow else ""
+    print(f"device: {mx.default_device()}, mlx {mx.__version__}, {f'{args.bits}-bit' if args.bits else args.dtype}{widths}, prompt {args.prompt_tokens}, generate {args.gen_tokens}, best of {args.repeats}")
     rows = []
     for name in args.variants:
-        ours, theirs, text = build_pair(name, layers_for(name), args.bits or None, getattr(mx, args.dtype), args.vocab)
+        ours, theirs, text = build_pair(name, layers_for(name), args.bits or None, getattr(mx, args.dtype), args.vocab, edit=narrow if args.narrow else None)
         prompt = mx.random.randint(0, text["vocab_size"], (args.prompt_tokens,), key=mx.random.key(0))
         a, b = [], []
         run_ours(ours, prompt[:8], 2)  # warm up both (kernel compilation)
