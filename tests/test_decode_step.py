@@ -12,7 +12,7 @@ from mlx_lm.sample_utils import make_sampler
 
 import gemma4_mlx
 from gemma4_mlx.bench import step as bench_step
-from gemma4_mlx.bench.speed import build_pair
+from gemma4_mlx.bench.speed import build_pair, narrow
 from gemma4_mlx.generation.decode import generate_tokens
 from gemma4_mlx.loading import ple
 
@@ -25,7 +25,7 @@ MLX_LM = {"e2b": 827, "26b-a4b": 1267, "31b": 1320}
 
 @pytest.fixture(scope="module", params=sorted(BUDGET))
 def pair(request):
-    ours, theirs, text = build_pair(request.param, None, 4, vocab_size=1024, edit=bench_step.narrow)
+    ours, theirs, text = build_pair(request.param, None, 4, vocab_size=1024, edit=narrow)
     bench_step.materialize(ours, theirs)
     return request.param, ours, theirs
 
@@ -82,7 +82,7 @@ def test_greedy_tokens_equal_mlx_lms(name):
     transformers does, mlx-lm's in bf16, and random MoE weights amplify that into other experts)."""
     from mlx_lm.generate import generate_step
 
-    ours, theirs, _ = build_pair(name, None, None, dtype=mx.float32, vocab_size=1024, edit=bench_step.narrow)
+    ours, theirs, _ = build_pair(name, None, None, dtype=mx.float32, vocab_size=1024, edit=narrow)
 
     prompt = mx.random.randint(0, 1024, (12,), key=mx.random.key(2))
     mine = [t for t, _ in generate_tokens(ours, prompt, ours.make_cache(), 8, make_sampler(0.0))]
@@ -128,7 +128,7 @@ def test_merged_projections_compute_exactly_what_the_separate_ones_do(name):
     q/k norm scales behind one unscaled norm. In bf16, 4-bit, the logits are bit-identical to the
     separate projections' for a prefill (12 tokens: the 26B's experts sort their rows), a short
     chunk (3 tokens: unsorted, one row per token) and single-token steps (the compiled path)."""
-    ours, _, _ = build_pair(name, None, 4, vocab_size=1024, edit=bench_step.narrow, merge=False)
+    ours, _, _ = build_pair(name, None, 4, vocab_size=1024, edit=narrow, merge=False)
     ids = mx.random.randint(0, 1024, (1, 17), key=mx.random.key(4))
     chunks = [ids[:, :12], ids[:, 12:15], ids[:, 15:16], ids[:, 16:]]
 

@@ -104,7 +104,7 @@ def main(argv: list[str] | None = None) -> None:
     args = p.parse_args(argv)
 
     layers = None if args.layers == "full" or (args.layers is None and on_gpu) else int(args.layers or CPU_LAYERS[args.variant])
-    from .step import narrow
+    from .speed import narrow
 
     edit = narrow if args.narrow else None
     model, theirs, text = build_pair(args.variant, layers, args.bits or None, getattr(mx, args.dtype), args.vocab, edit=edit)

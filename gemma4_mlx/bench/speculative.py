@@ -36,8 +36,8 @@ from ..generation.speculative import SpeculativeStats, speculative_tokens
 from ..loading.quantization import QuantizationPlan, quantize_model
 from ..models.assistant import Assistant, AssistantConfig
 from ..variants import VARIANTS
-from .speed import CPU_LAYERS, build_pair, run_mlx_lm, run_ours
-from .step import _copy, narrow
+from .speed import CPU_LAYERS, build_pair, narrow, run_mlx_lm, run_ours
+from .step import _copy
 
 DRAFTER_WIDTH = 256
 

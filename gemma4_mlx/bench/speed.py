@@ -28,16 +28,25 @@ from ..loading import adapt_to_device
 from ..loading.quantization import QuantizationPlan, quantize_model
 from ..models.gemma4 import Gemma4Model
 from ..variants import VARIANTS, variant_config
-from .step import narrow
 
 # Layers per variant on a CPU: E2B/E4B need two periods to keep KV sharing; 26B/31B layers are
 # large (a 26B layer holds 761M expert weights), so one sliding and one full layer.
 CPU_LAYERS = {"e2b": 10, "e4b": 12, "12b": 2, "26b-a4b": 2, "31b": 2}
 
 
+def narrow(text: dict) -> dict:
+    """The variant's layer structure with small widths: the same graph, cheap to build (tests, CPUs)."""
+    cfg = dict(text)
+    ple = 64 if cfg.get("hidden_size_per_layer_input") else 0
+    cfg.update(hidden_size=128, intermediate_size=256, head_dim=64, global_head_dim=128, hidden_size_per_layer_input=ple)
+    if cfg.get("enable_moe_block"):
+        cfg.update(moe_intermediate_size=64)
+    return cfg
+
+
 def build_pair(name: str, layers: int | None, bits: int | None, dtype=mx.bfloat16, vocab_size: int = 262_144, edit=None, merge: bool = True):
     """Our model and mlx-lm's gemma4_text model sharing the same random weights (``edit`` changes
-    the text config first, e.g. :func:`gemma4_mlx.bench.step.narrow`); ours with its projections
+    the text config first, e.g. :func:`narrow`); ours with its projections
     merged as ``load_model`` does, unless ``merge`` is False."""
     from mlx_lm.models import gemma4_text
 

@@ -33,6 +33,7 @@ from pathlib import Path
 import mlx.core as mx
 
 from ..models.text import materialize as evaluate_module
+from .speed import narrow
 
 # Primitives that only make a view: no kernel on a GPU.
 VIEWS = {"Broadcast", "Reshape", "Flatten", "Unflatten", "ExpandDims", "Squeeze", "Slice", "Transpose", "AsStrided",
@@ -129,16 +130,6 @@ def count_kernels(outputs, one_token: bool = True) -> Counter:
         else:
             kinds[_STAND_INS.get(name, name)] += 1
     return kinds
-
-
-def narrow(text: dict) -> dict:
-    """The variant's layer structure with small widths: the same graph, cheap to build (tests, CPUs)."""
-    cfg = dict(text)
-    ple = 64 if cfg.get("hidden_size_per_layer_input") else 0
-    cfg.update(hidden_size=128, intermediate_size=256, head_dim=64, global_head_dim=128, hidden_size_per_layer_input=ple)
-    if cfg.get("enable_moe_block"):
-        cfg.update(moe_intermediate_size=64)
-    return cfg
 
 
 def materialize(*models) -> None:
