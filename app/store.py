@@ -1,7 +1,7 @@
 """The conversations a browser keeps (in gr.BrowserState, i.e. the page's local storage).
 
-The store is one JSON value: ``{"active": id, "conversations": [conversation, ...]}``, most recently
-used first; a conversation is ``{"id", "title", "history", "settings"}`` (an empty title means
+The store is one JSON value: ``{"active": id, "revision": n, "conversations": [conversation, ...]}``
+(most recently used first; the revision counts changes, see :class:`Sessions`); a conversation is ``{"id", "title", "history", "settings"}`` (an empty title means
 "named after its first message"). The functions here take a store as it comes back from a browser
 (any JSON, possibly from an older version of the app) and never fail on it.
 
@@ -14,7 +14,9 @@ from __future__ import annotations
 
 import os
 import secrets
+import threading
 import uuid
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -116,15 +118,18 @@ def normalize(store: Any) -> dict:
     active = store.get("active") if isinstance(store, dict) else None
     if active not in seen:
         active = conversations[0]["id"]
-    return {"active": active, "conversations": conversations}
+    revision = store.get("revision") if isinstance(store, dict) else None
+    revision = revision if isinstance(revision, int) and not isinstance(revision, bool) and revision >= 0 else 0
+    return {"active": active, "revision": revision, "conversations": conversations}
 
 
 def active(store: dict) -> dict:
     return find(store, store["active"])
 
 
-def find(store: dict, conversation_id: str) -> dict:
-    return next(c for c in store["conversations"] if c["id"] == conversation_id)
+def find(store: dict, conversation_id: str | None) -> dict | None:
+    """The conversation with this id (None if there is none)."""
+    return next((c for c in store["conversations"] if c["id"] == conversation_id), None)
 
 
 def title(conversation: dict) -> str:
@@ -160,13 +165,18 @@ def choices(store: dict) -> list[tuple[str, str]]:
     return out
 
 
-def save(store: Any, history: list, settings: dict) -> dict:
-    """The store with the active conversation's history and settings replaced (and moved to the
-    top of the list when its history changed: the list is most recently used first)."""
+def save(store: Any, history: list | None, settings: dict, conversation_id: str | None = None) -> dict:
+    """The store with a conversation's (by default the active one's) history and settings replaced
+    (``history`` None keeps it), and the conversation moved to the top of the list when its history
+    changed: the list is most recently used first. A conversation no longer there (deleted) is not
+    saved again."""
     store = normalize(store)
-    conv = active(store)
+    conv = find(store, conversation_id or store["active"])
+    if conv is None:
+        return store
+    history = conv["history"] if history is None else list(history)
     changed = conv["history"] != history
-    conv["history"] = list(history or [])
+    conv["history"] = history
     conv["settings"] = clean_settings(settings)
     if changed:
         store["conversations"].remove(conv)
@@ -193,19 +203,66 @@ def switch(store: Any, conversation_id: str) -> dict:
     return store
 
 
-def rename(store: Any, name: str) -> dict:
+def rename(store: Any, name: str, conversation_id: str | None = None) -> dict:
+    """Name a conversation (by default the active one); an empty name means its first message."""
     store = normalize(store)
-    active(store)["title"] = " ".join((name or "").split())[:200]
+    conv = find(store, conversation_id or store["active"])
+    if conv is not None:
+        conv["title"] = " ".join((name or "").split())[:200]
     return store
 
 
-def delete(store: Any) -> dict:
-    """Remove the active conversation; the next one (or a new, empty one) becomes active."""
+def delete(store: Any, conversation_id: str | None = None) -> dict:
+    """Remove a conversation (by default the active one); if it was the active one, the next one
+    (or a new, empty one) becomes active."""
     store = normalize(store)
-    conv = active(store)
-    settings = conv["settings"]
+    conv = find(store, conversation_id or store["active"])
+    if conv is None:
+        return store
     store["conversations"].remove(conv)
     if not store["conversations"]:
-        store["conversations"].append(new_conversation(settings))
-    store["active"] = store["conversations"][0]["id"]
+        store["conversations"].append(new_conversation(conv["settings"]))
+    if store["active"] == conv["id"]:
+        store["active"] = store["conversations"][0]["id"]
     return store
+
+
+# ---------------------------------------------------------------------------- sessions
+class Sessions:
+    """Each browser session's newest store, kept by the server as well as by the page.
+
+    The page sends the store it holds with each event, and two events can fire at once: clicking
+    New chat while the name box has focus sends the box's blur (a rename) and the click, and a
+    setting's blur comes with a click on another conversation. Each would change the store it was
+    sent, and the answer that reached the page last would win: the other change undone, or one
+    conversation's messages saved into another. So a session's changes run one at a time, each on
+    the newest store (the page's when it is newer: after a server restart), and each to the
+    conversation that the page showed when the event fired.
+    """
+
+    def __init__(self):
+        self._guard = threading.Lock()
+        self._locks: dict[str, threading.Lock] = {}
+        self._newest: dict[str, dict] = {}
+
+    def change(self, session: str, sent: Any, edit: Callable[[dict, str], dict]) -> tuple[dict, bool]:
+        """(newest store, whether it changed) after ``edit(store, shown)``, where ``shown`` is the
+        id of the conversation that the page showed when it sent ``sent``."""
+        sent = normalize(sent)
+        with self._guard:
+            lock = self._locks.setdefault(session, threading.Lock())
+        with lock:
+            newest = self._newest.get(session)
+            base = sent if newest is None or sent["revision"] > newest["revision"] else newest
+            store = normalize(edit(normalize(base), sent["active"]))
+            if {**store, "revision": 0} == {**base, "revision": 0}:
+                return base, False
+            store["revision"] = base["revision"] + 1
+            self._newest[session] = store
+            return store, True
+
+    def forget(self, session: str) -> None:
+        """The session ended (its page was closed or reloaded)."""
+        with self._guard:
+            self._newest.pop(session, None)
+            self._locks.pop(session, None)

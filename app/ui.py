@@ -206,7 +206,7 @@ def build_app(holder: ModelHolder) -> gr.Blocks:
     with gr.Blocks(title="Gemma 4 on MLX", fill_height=True) as demo:
         page = _layout(holder)
         replies = Replies()
-        finish = _Finish(holder, page, replies)
+        finish = _Finish(holder, page, replies, convs.Sessions())
         chat = _Chat(holder, replies, page, finish)
         chat.wire()
         _wire_store(page, chat, finish)
@@ -529,25 +529,30 @@ class _Finish:
     """What follows every change of the conversation: save it, restore the send button, refresh
     the conversation list and the export file."""
 
-    def __init__(self, holder: ModelHolder, page: Page, replies: Replies):
-        self.holder, self.page, self.replies = holder, page, replies
+    def __init__(self, holder: ModelHolder, page: Page, replies: Replies, sessions: convs.Sessions):
+        self.holder, self.page, self.replies, self.sessions = holder, page, replies, sessions
         self.exports = tempfile.TemporaryDirectory(prefix="gemma4-chat-")  # removed at exit
         p = page
         self.inputs = [p.store, p.chatbot, *p.settings]
         self.save_outputs = [p.store, p.conversations]
 
-    def save(self, store, history, *values):
-        store = convs.save(store, history, _settings(values))
-        return store, gr.Radio(choices=convs.choices(store), value=store["active"])
+    def change(self, request: gr.Request | None, store, edit) -> tuple[dict, bool]:
+        """The session's newest store after ``edit(store, shown)`` (see :class:`app.store.Sessions`)."""
+        return self.sessions.change(Replies.key(request), store, edit)
 
-    def done(self, store, history, *values):
-        store, radio = self.save(store, history, *values)
+    def save(self, request: gr.Request, store, history, *values):
+        settings = _settings(values)
+        store, _ = self.change(request, store, lambda s, shown: convs.save(s, history, settings, shown))
+        return store, _conversation_list(store)
+
+    def done(self, request: gr.Request, store, history, *values):
+        store, radio = self.save(request, store, history, *values)
         return store, radio, _input_box(history), self.export_file(history)
 
     def done_after_reply(self, request: gr.Request, store, history, *values):
         if self.replies.replaced_since_reply(request):
             return (gr.update(),) * 4  # Undo or Clear pressed: theirs is the conversation to save
-        return self.done(store, history, *values)
+        return self.done(request, store, history, *values)
 
     def after(self, event, reply: bool = True) -> None:
         """Save the conversation, and so on, after ``event`` (a reply, unless ``reply`` is False)."""
@@ -562,6 +567,10 @@ class _Finish:
         path = folder / f"{name}.md"
         path.write_text(to_markdown(history or [], self.holder.name), encoding="utf-8")
         return str(path)
+
+
+def _conversation_list(store) -> gr.Radio:
+    return gr.Radio(choices=convs.choices(store), value=store["active"])
 
 
 def _input_box(history) -> gr.MultimodalTextbox:
@@ -591,7 +600,7 @@ def _wire_store(page: Page, chat: _Chat, finish: _Finish) -> None:
         """Everything the page shows of the active conversation."""
         conv = convs.active(store)
         settings = conv["settings"]
-        return (store, conv["history"], gr.Radio(choices=convs.choices(store), value=conv["id"]), conv["title"],
+        return (store, conv["history"], _conversation_list(store), conv["title"],
                 *[settings[n] for n in convs.SETTING_NAMES], _summary(settings), _input_box(conv["history"]),
                 finish.export_file(conv["history"]))  # fmt: skip
 
@@ -602,27 +611,36 @@ def _wire_store(page: Page, chat: _Chat, finish: _Finish) -> None:
     def restore(store):
         return show(convs.normalize(store))
 
+    # Each change goes through finish.change: to the conversation the page showed, on the session's
+    # newest store (events fired together, as a blur and a click, would otherwise undo each other).
     def new_chat(request: gr.Request, store, history, *values):
         guard(request)
-        store = convs.save(store, history, _settings(values))
-        return show(convs.start_new(store, _settings(values)))
+        settings = _settings(values)
+        store, _ = finish.change(request, store, lambda s, shown: convs.start_new(convs.save(s, history, settings, shown), settings))
+        return show(store)
 
     def switch(request: gr.Request, store, history, conversation_id, *values):
         guard(request)
-        store = convs.save(store, history, _settings(values))
-        return show(convs.switch(store, conversation_id))
+        settings = _settings(values)
+        store, _ = finish.change(request, store, lambda s, shown: convs.switch(convs.save(s, history, settings, shown), conversation_id))
+        return show(store)
 
-    def rename(store, name):
-        store = convs.rename(store, name)
-        return store, gr.Radio(choices=convs.choices(store), value=store["active"])
+    def rename(request: gr.Request, store, name):
+        store, changed = finish.change(request, store, lambda s, shown: convs.rename(s, name, shown))
+        # Unchanged (the box lost focus): no answer that could land after another event's.
+        return (store, _conversation_list(store)) if changed else (gr.update(), gr.update())
 
     def delete(request: gr.Request, store):
         guard(request)
-        return show(convs.delete(store)) + (gr.Row(visible=False),)
+        store, _ = finish.change(request, store, lambda s, shown: convs.delete(s, shown))
+        return show(store) + (gr.Row(visible=False),)
 
-    def save_settings(store, history, *values):
-        store = convs.save(store, history, _settings(values))
-        return store, _summary(_settings(values))
+    def save_settings(request: gr.Request, store, *values):
+        # The settings only: the messages are saved by the events that change them, and a setting's
+        # blur during a reply would otherwise save a reply half written.
+        settings = _settings(values)
+        store, changed = finish.change(request, store, lambda s, shown: convs.save(s, None, settings, shown))
+        return (store if changed else gr.update()), _summary(settings)
 
     demo = gr.context.get_blocks_context().root_block  # the Blocks being built
     # The conversation is restored before the status says the page is ready, and the input box is
@@ -643,7 +661,12 @@ def _wire_store(page: Page, chat: _Chat, finish: _Finish) -> None:
             triggers.append(component.release)
         else:
             triggers.append(component.input)
-    gr.on(triggers, save_settings, [p.store, p.chatbot, *p.settings], [p.store, p.summary], **private)
+    gr.on(triggers, save_settings, [p.store, *p.settings], [p.store, p.summary], **private)
+
+    def forget(request: gr.Request):
+        finish.sessions.forget(Replies.key(request))
+
+    demo.unload(forget)  # the page was closed or reloaded
 
 
 def _reply_messages(reply, done: bool) -> list[dict]:

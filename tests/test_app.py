@@ -397,6 +397,72 @@ def test_conversation_store():
     assert len(s["conversations"]) == 1 and store.active(s)["history"] == []
 
 
+def test_conversation_events_fired_together_do_not_undo_each_other():
+    """Clicking New chat while the name box has focus fires a rename (its blur) and New chat with
+    the same store; a setting's blur comes with a click on another conversation. Each event once
+    changed the store it was sent, so the answer handled last undid the other, and a rename
+    handled after New chat made the old conversation active again behind the new one's empty
+    page: the next save wrote the new page over it (CI's test_conversations_settings_export_and_restart
+    found its list wrong). Through the app's own handlers, in both orders."""
+    import types
+
+    from app import store as convs
+
+    def handlers():
+        app = build_app(ModelHolder(None, None, demo=True))
+        return {f.fn.__name__: f.fn for f in app.fns.values() if hasattr(f.fn, "__name__")}
+
+    def store_of(outputs):  # what an answer leaves in the page's store (None: left as it was)
+        first = outputs[0]
+        return None if isinstance(first, dict) and first.get("__type__") == "update" else first
+
+    settings = list(convs.SETTINGS_DEFAULTS.values())
+    question = [{"role": "user", "content": "What is a monad?"}, {"role": "assistant", "content": "A pattern."}]
+    for rename_last in (True, False):
+        fn = handlers()
+        request = types.SimpleNamespace(session_hash="tab")
+        page = convs.save(convs.normalize(None), question, convs.SETTINGS_DEFAULTS)
+        first = page["active"]
+        # Fired together, with the page's store as it was; the page keeps the answer handled last.
+        renamed = lambda: fn["rename"](request, page, "Monads")  # noqa: E731
+        new = lambda: fn["new_chat"](request, page, question, *settings)  # noqa: E731
+        answers = [new(), renamed()] if rename_last else [renamed(), new()]
+        page = next(s for s in map(store_of, reversed(answers)) if s is not None)
+        second = page["active"]
+        assert second != first, "the page shows the new chat, and its store says so"
+        # A setting of the new chat, then its first message (the page's send: add_message, save).
+        brief = dict(convs.SETTINGS_DEFAULTS, system="Be brief.")
+        page = store_of(fn["save_settings"](request, page, *brief.values())) or page
+        page = fn["save"](request, page, [{"role": "user", "content": "Second"}], *brief.values())[0]
+        assert [label for label, _ in convs.choices(page)] == ["Second", "Monads"]
+        assert convs.find(page, first)["history"] == question and convs.find(page, first)["settings"]["system"] == ""
+        assert convs.find(page, second)["settings"]["system"] == "Be brief." and page["active"] == second
+
+    # A setting's blur (of the conversation shown) and a click on another conversation, in both orders.
+    for blur_last in (True, False):
+        fn = handlers()
+        request = types.SimpleNamespace(session_hash="tab")
+        page = convs.save(convs.normalize(None), question, convs.SETTINGS_DEFAULTS)
+        other = page["active"]
+        page = fn["new_chat"](request, page, question, *settings)[0]
+        second = [{"role": "user", "content": "Second"}]
+        page = fn["save"](request, page, second, *settings)[0]
+        pirate = list(dict(convs.SETTINGS_DEFAULTS, system="You are a pirate.").values())
+        switched = lambda: fn["switch"](request, page, second, other, *pirate)  # noqa: E731
+        blurred = lambda: fn["save_settings"](request, page, *pirate)  # noqa: E731
+        answers = [switched(), blurred()] if blur_last else [blurred(), switched()]
+        page = next(s for s in map(store_of, reversed(answers)) if s is not None)
+        assert page["active"] == other, "the page's store shows the conversation the page shows"
+        assert convs.find(page, other)["history"] == question and convs.find(page, other)["settings"]["system"] == ""
+        assert [(c["history"], c["settings"]["system"]) for c in page["conversations"] if c["id"] != other] == [(second, "You are a pirate.")]
+
+    # A server restart: the page's store is newer than anything the (new) server has seen.
+    fn = handlers()
+    kept = fn["rename"](request, page, "Pirates")[0]
+    assert kept["revision"] == page["revision"] + 1 and convs.title(convs.active(kept)) == "Pirates"
+    assert store_of(fn["rename"](request, kept, "Pirates")) is None  # unchanged: no answer to land late
+
+
 def test_conversion_cache_is_keyed_by_the_full_source(tmp_path, monkeypatch):
     """Two sources with the same last path component never share a converted folder."""
     import app.backend
