@@ -98,28 +98,35 @@ def launch(holder, port: int | None = None, api=None):
 
 
 @contextlib.contextmanager
-def endless_replies(engine):
-    """Replies that only Stop ends: the sampler never picks an end token, and the caller's max
-    tokens are raised to the context's end (the engine clamps them there). The page asks for 1024,
-    which a fast machine writes in 4 s: a test pressing Stop on a loaded one could find the reply
-    already over (the CI failure of test_phone_layout_and_send_button_becomes_stop)."""
+def word_replies(engine, max_tokens: int = 1 << 20):
+    """Replies of plain words, ``max_tokens`` long: the sampler picks among word tokens, never an
+    end token nor a tool call (the tiny model's random replies can open one, and the next message
+    is then a tool's result). Words, not the tiny model's favourite ``<unused24>``: thousands of
+    tag-like tokens made the browser slow to render on a loaded machine."""
     import mlx.core as mx
 
     original = engine.stream
-    eos = list(engine.processor.eos_token_ids)
+    words = mx.array(sorted(set(engine.processor.encode(" the of and to in is you that it he was for on are as with", add_special_tokens=False))))
 
-    def never_ending(logprobs):
-        logprobs[..., eos] = -mx.inf
-        return mx.argmax(logprobs, axis=-1)
+    def plain_words(logprobs):
+        return words[mx.argmax(logprobs[..., words], axis=-1)]
 
-    def endless(*args, **options):
-        return original(*args, **{**options, "sampler": never_ending, "max_tokens": 1 << 20})
+    def replies(*args, **options):
+        return original(*args, **{**options, "sampler": plain_words, "max_tokens": max_tokens})
 
-    engine.stream = endless
+    engine.stream = replies
     try:
         yield
     finally:
         engine.stream = original
+
+
+def endless_replies(engine):
+    """Replies that only Stop ends: :func:`word_replies` up to the context's end (the engine clamps
+    max tokens there). The page asks for 1024, which a fast machine writes in 4 s: a test pressing
+    Stop on a loaded one could find the reply already over (the CI failure of
+    test_phone_layout_and_send_button_becomes_stop)."""
+    return word_replies(engine)
 
 
 def scripted(engine, text, stream=None):
