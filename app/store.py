@@ -1,8 +1,8 @@
 """The conversations a browser keeps (in gr.BrowserState, i.e. the page's local storage).
 
 The store is one JSON value: ``{"active": id, "revision": n, "conversations": [conversation, ...]}``
-(most recently used first; the revision counts changes, see :class:`Sessions`); a conversation is ``{"id", "title", "history", "settings"}`` (an empty title means
-"named after its first message"). The functions here take a store as it comes back from a browser
+(most recently used first; the revision counts changes, see :class:`Sessions`); a conversation is
+``{"id", "title", "history", "settings"}`` (an empty title means "named after its first message"). The functions here take a store as it comes back from a browser
 (any JSON, possibly from an older version of the app) and never fail on it.
 
 BrowserState encrypts what it stores with a secret that is random for each launch unless given, so
@@ -241,20 +241,18 @@ class Sessions:
     """
 
     def __init__(self):
-        self._guard = threading.Lock()
-        self._locks: dict[str, threading.Lock] = {}
+        self._lock = threading.Lock()  # one for all sessions: a change takes microseconds
         self._newest: dict[str, dict] = {}
 
     def change(self, session: str, sent: Any, edit: Callable[[dict, str], dict]) -> tuple[dict, bool]:
-        """(newest store, whether it changed) after ``edit(store, shown)``, where ``shown`` is the
-        id of the conversation that the page showed when it sent ``sent``."""
+        """(newest store, whether it changed) after ``edit(store, shown)``, one of this module's
+        functions (they return a new store), where ``shown`` is the id of the conversation that the
+        page showed when it sent ``sent``."""
         sent = normalize(sent)
-        with self._guard:
-            lock = self._locks.setdefault(session, threading.Lock())
-        with lock:
+        with self._lock:
             newest = self._newest.get(session)
             base = sent if newest is None or sent["revision"] > newest["revision"] else newest
-            store = normalize(edit(normalize(base), sent["active"]))
+            store = edit(base, sent["active"])
             if {**store, "revision": 0} == {**base, "revision": 0}:
                 return base, False
             store["revision"] = base["revision"] + 1
@@ -263,6 +261,5 @@ class Sessions:
 
     def forget(self, session: str) -> None:
         """The session ended (its page was closed or reloaded)."""
-        with self._guard:
+        with self._lock:
             self._newest.pop(session, None)
-            self._locks.pop(session, None)

@@ -22,7 +22,7 @@ from pathlib import Path
 import mlx.core as mx
 
 from ..variants import VARIANTS
-from .speed import CPU_LAYERS, build_pair
+from .speed import CPU_LAYERS, build_pair, narrow
 from ..generation.chat import ChatEngine
 from ..config import ModelConfig
 from ..processing.processor import Processor
@@ -104,8 +104,6 @@ def main(argv: list[str] | None = None) -> None:
     args = p.parse_args(argv)
 
     layers = None if args.layers == "full" or (args.layers is None and on_gpu) else int(args.layers or CPU_LAYERS[args.variant])
-    from .speed import narrow
-
     edit = narrow if args.narrow else None
     model, theirs, text = build_pair(args.variant, layers, args.bits or None, getattr(mx, args.dtype), args.vocab, edit=edit)
     processor = make_processor(text["vocab_size"], small=args.variant in ("e2b", "e4b"))
